@@ -1,0 +1,31 @@
+# `make demo` and `make test` work on a fresh machine: they create .venv and install first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# CPU torch first when torch is absent: a plain `torch` requirement would pull CUDA wheels.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "torch==2.13.0" || \
+		$(BIN)/pip install "torch>=2.4" --index-url https://download.pytorch.org/whl/cpu
+	$(BIN)/pip install -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/pagedkv demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+bench: $(STAMP)
+	$(BIN)/pagedkv bench manager
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,104 @@
+"""pagedkv: a paged KV cache manager for LLM inference engines, on PyTorch.
+
+Names load on first use, so ``import pagedkv`` is cheap and the bookkeeping
+classes (params, contexts, block pool) never pull in torch; the tensor-side
+classes import it when first touched.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "DType": "pagedkv.dtype",
+    "DeviceRef": "pagedkv.dtype",
+    "KVCacheParams": "pagedkv.params",
+    "KVCacheQuantizationConfig": "pagedkv.params",
+    "KVConnectorType": "pagedkv.params",
+    "MultiKVCacheParams": "pagedkv.multi_params",
+    "TensorSpec": "pagedkv.symbols",
+    "KVCacheInputSymbols": "pagedkv.symbols",
+    "RaggedKVCacheInputSymbols": "pagedkv.symbols",
+    "PaddedKVCacheInputSymbols": "pagedkv.symbols",
+    "MultiKVCacheInputSymbols": "pagedkv.symbols",
+    "InsufficientBlocksError": "pagedkv.core.errors",
+    "IntegrityError": "pagedkv.core.errors",
+    "TextContext": "pagedkv.core.context",
+    "TokenBuffer": "pagedkv.core.context",
+    "KVCacheMetrics": "pagedkv.core.metrics",
+    "BlockPool": "pagedkv.core.block_pool",
+    "BlockManager": "pagedkv.core.block_manager",
+    "hash_tokens": "pagedkv.core.hashing",
+    "compute_num_device_blocks": "pagedkv.core.memory",
+    "compute_num_host_blocks": "pagedkv.core.memory",
+    "estimated_memory_size": "pagedkv.core.memory",
+    "infer_optimal_batch_size": "pagedkv.core.memory",
+    "compute_max_seq_len_fitting_in_cache": "pagedkv.core.memory",
+    "KVCacheBuffer": "pagedkv.runtime.buffers",
+    "MultiKVCacheBuffer": "pagedkv.runtime.buffers",
+    "KVCacheMemory": "pagedkv.runtime.buffers",
+    "ReplicatedKVCacheMemory": "pagedkv.runtime.buffers",
+    "KVCacheInputs": "pagedkv.runtime.inputs",
+    "RaggedKVCacheInputs": "pagedkv.runtime.inputs",
+    "PaddedKVCacheInputs": "pagedkv.runtime.inputs",
+    "KVCacheInputsSequence": "pagedkv.runtime.inputs",
+    "MultiKVCacheInputs": "pagedkv.runtime.inputs",
+    "KVCacheManager": "pagedkv.manager.base",
+    "ContinuousBatchingKVCacheManager": "pagedkv.manager.continuous",
+    "PagedKVCacheManager": "pagedkv.manager.paged",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from pagedkv.core.block_manager import BlockManager
+    from pagedkv.core.block_pool import BlockPool
+    from pagedkv.core.context import TextContext, TokenBuffer
+    from pagedkv.core.errors import InsufficientBlocksError, IntegrityError
+    from pagedkv.core.hashing import hash_tokens
+    from pagedkv.core.memory import (
+        compute_max_seq_len_fitting_in_cache,
+        compute_num_device_blocks,
+        compute_num_host_blocks,
+        estimated_memory_size,
+        infer_optimal_batch_size,
+    )
+    from pagedkv.core.metrics import KVCacheMetrics
+    from pagedkv.dtype import DeviceRef, DType
+    from pagedkv.manager.base import KVCacheManager
+    from pagedkv.manager.continuous import ContinuousBatchingKVCacheManager
+    from pagedkv.manager.paged import PagedKVCacheManager
+    from pagedkv.multi_params import MultiKVCacheParams
+    from pagedkv.params import KVCacheParams, KVCacheQuantizationConfig, KVConnectorType
+    from pagedkv.runtime.buffers import KVCacheBuffer, KVCacheMemory, MultiKVCacheBuffer, ReplicatedKVCacheMemory
+    from pagedkv.runtime.inputs import (
+        KVCacheInputs,
+        KVCacheInputsSequence,
+        MultiKVCacheInputs,
+        PaddedKVCacheInputs,
+        RaggedKVCacheInputs,
+    )
+    from pagedkv.symbols import (
+        KVCacheInputSymbols,
+        MultiKVCacheInputSymbols,
+        PaddedKVCacheInputSymbols,
+        RaggedKVCacheInputSymbols,
+        TensorSpec,
+    )

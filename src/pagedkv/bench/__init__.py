@@ -1,0 +1,1 @@
+"""Benchmarks: seeded workloads, a replay driver, and the `pagedkv bench` commands."""

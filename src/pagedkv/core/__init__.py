@@ -1,0 +1,1 @@
+"""Bookkeeping: pure Python plus numpy. Nothing in this package imports torch."""

@@ -1,0 +1,275 @@
+"""`BlockManager`: one replica's request tables over a `BlockPool` (pure Python + numpy).
+
+The request lifecycle, per replica::
+
+    claim(rid) -> alloc(ctx) -> [model writes KV, ctx.update(tok)] -> step(ctx) -> ... -> release(rid)
+
+- `alloc` reuses the longest cached prefix (moving ``ctx.tokens`` past it),
+  then takes pages until every token, plus the speculative draft slots, has
+  one. It checks everything first: on `InsufficientBlocksError` or
+  `ValueError` the pool, the prefix cache, the request and the context are
+  exactly as before.
+- `step` commits pages whose KV was written (all ``processed_length //
+  page_size`` full pages, last token excluded) to the prefix cache. A page
+  whose hash is already cached is merged: the request switches to the cached
+  page and its own copy is freed.
+- `release` frees the pages tail first, so LRU evicts a prefix's tail before
+  its head.
+
+Page tables only grow, except at that merge, where an entry is swapped for a
+page holding the same prefix. Prefix lookups happen only while a request
+holds no uncommitted page (first admission, or after `ctx.reset()`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from pagedkv.core.block_pool import BlockPool
+from pagedkv.core.context import RequestID, TextContext
+from pagedkv.core.errors import InsufficientBlocksError
+from pagedkv.core.errors import require as _require
+from pagedkv.core.hashing import BlockHash, PrefixHasher
+from pagedkv.core.metrics import KVCacheMetrics
+from pagedkv.core.tables import BatchTables, RequestPages, build_tables
+
+__all__ = ["BlockManager"]
+
+
+class BlockManager:
+    """Request page tables, prefix caching and metrics of one replica. Holds no tensors."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        page_size: int,
+        *,
+        enable_prefix_caching: bool,
+        hash_algo: str = "sha256",
+        hash_seed: bytes | None = None,
+        num_speculative_tokens: int = 0,
+    ) -> None:
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_speculative_tokens = num_speculative_tokens
+        self.hasher = PrefixHasher(hash_algo, page_size, hash_seed)
+        self._reqs: dict[RequestID, RequestPages] = {}
+        self._input_tokens = 0
+        self._cache_tokens = 0
+        self._evictions_at_reset = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def claim(self, request_id: RequestID, *, dummy: bool = False) -> None:
+        """Start tracking `request_id` (no pages yet). A dummy maps to the null page only."""
+        if request_id in self._reqs:
+            raise ValueError(f"Request ID {request_id!r} is already claimed")
+        self._reqs[request_id] = RequestPages(dummy=dummy)
+
+    def contains(self, request_id: RequestID) -> bool:
+        """True while `request_id` is claimed."""
+        return request_id in self._reqs
+
+    def release(self, request_id: RequestID) -> None:
+        """Forget `request_id` and free its pages, tail first."""
+        st = self._reqs.get(request_id)
+        if st is None:
+            raise ValueError(f"Attempted to release request ID {request_id!r} but it is not claimed")
+        del self._reqs[request_id]
+        if st.num_pages:
+            self.pool.free(st.pages[st.num_pages - 1 :: -1].tolist())
+
+    def alloc(self, ctx: TextContext) -> None:
+        """Give `ctx` pages for all its tokens (+ draft slots), reusing cached prefix pages first.
+
+        Side effects on success: prefix hits move ``ctx.tokens`` forward
+        (`skip_processing`); on a first admission ``ctx.cached_prefix_length``
+        is set. Raises `InsufficientBlocksError` (capacity) or `ValueError`
+        (misuse) and then changes nothing.
+        """
+        st = self._reqs.get(ctx.request_id)
+        tokens = ctx.tokens
+        # Hot path, a decode step that needs no page: one active token, every slot held.
+        # (Reads TokenBuffer's fields directly: properties cost ~40% of this path.)
+        if (
+            st is not None
+            and tokens._end - tokens._processed == 1
+            and tokens._len + self.num_speculative_tokens <= st.num_pages * self.page_size
+        ):
+            self._input_tokens += 1
+            return
+        st = self._claimed(ctx.request_id)
+        hits, need, new_keys, digest = self._plan(st, ctx)
+        if need > 0:
+            available = self.pool.num_free - self.pool.count_unreferenced(hits)
+            if need > available:
+                pool = self.pool
+                raise InsufficientBlocksError(
+                    f"Cannot get {need} free blocks for request {ctx.request_id!r} "
+                    f"(only {available} available; {pool.num_used}/{pool.num_blocks} blocks currently in use)",
+                    needed=need,
+                    available=available,
+                )
+        if new_keys:
+            st.hashes.extend(new_keys)
+            st.digest = digest
+        processed = tokens.processed_length
+        if hits:
+            self.pool.touch(hits)
+            st.append(hits)
+            st.committed += len(hits)
+            skip = st.committed * self.page_size - processed
+            tokens.skip_processing(skip)
+            self._cache_tokens += skip
+        if processed == 0:
+            ctx.cached_prefix_length = tokens.processed_length
+        self._input_tokens += tokens.active_length
+        if need > 0:
+            st.append(self.pool.allocate(need))
+
+    def step(self, ctx: TextContext) -> None:
+        """Commit the full pages of ``ctx`` whose KV is written (no-op without prefix caching)."""
+        self.step_batch((ctx,))
+
+    def step_batch(self, batch: Iterable[TextContext]) -> None:
+        """`step` for every context of `batch` (one call: this runs once per request per step)."""
+        reqs, ps, caching = self._reqs, self.page_size, self.enable_prefix_caching
+        for ctx in batch:
+            st = reqs.get(ctx.request_id)
+            if st is None or st.dummy:
+                self._claimed(ctx.request_id)  # raises the right error
+            if not caching:
+                continue
+            tokens = ctx.tokens
+            n_commit = min(tokens._processed, tokens._len - 1) // ps  # hot path: fields, not properties
+            if n_commit > st.committed:  # type: ignore[union-attr]
+                self._commit(st, ctx, n_commit)  # type: ignore[arg-type]
+
+    def _commit(self, st: RequestPages, ctx: TextContext, n_commit: int) -> None:
+        n_commit = min(n_commit, st.num_pages)
+        if n_commit > len(st.hashes):
+            keys, st.digest = self._more_hashes(st, ctx, n_commit)
+            st.hashes.extend(keys)
+        commit, pages, hashes = self.pool.commit, st.pages, st.hashes
+        for i in range(st.committed, n_commit):
+            page = int(pages[i])
+            used = commit(page, hashes[i])
+            if used != page:
+                pages[i] = used
+        st.committed = max(st.committed, n_commit)
+
+    # ------------------------------------------------------------------ planning
+    def _claimed(self, request_id: RequestID) -> RequestPages:
+        st = self._reqs.get(request_id)
+        if st is None:
+            raise ValueError(f"request {request_id!r} is not claimed: call claim() first")
+        if st.dummy:
+            raise ValueError(f"request {request_id!r} is a dummy (alloc_dummy); it cannot alloc or step")
+        return st
+
+    def _plan(self, st: RequestPages, ctx: TextContext) -> tuple[list[int], int, list[BlockHash], bytes]:
+        """(prefix-hit pages, new pages needed, keys to memoise, their digest). Validates; mutates nothing."""
+        tokens = ctx.tokens
+        ps = self.page_size
+        if tokens.processed_length > st.num_pages * ps:
+            raise ValueError(
+                f"request {ctx.request_id!r} has processed_length={tokens.processed_length} but the cache "
+                f"holds {st.num_pages * ps} of its tokens; call ctx.reset() before re-admitting it"
+            )
+        need_tokens = len(tokens) + self.num_speculative_tokens
+        capacity = self.pool.num_blocks * ps
+        if need_tokens > capacity:
+            raise InsufficientBlocksError(
+                f"request {ctx.request_id!r} needs {need_tokens} token slots but the whole cache holds "
+                f"{capacity} ({self.pool.num_blocks} pages of {ps}); restart with a lower max seq len or more pages",
+                needed=-(-need_tokens // ps),
+                available=self.pool.num_blocks,
+            )
+        hits: list[int] = []
+        new_keys: list[BlockHash] = []
+        digest = st.digest
+        if self.enable_prefix_caching and tokens.active_length > 1 and st.num_pages == st.committed:
+            stop = (min(len(tokens), tokens.current_position) - 1) // ps
+            if stop > st.committed:
+                new_keys, digest = self._more_hashes(st, ctx, stop)
+                hits = self.pool.lookup([*st.hashes, *new_keys], st.committed, stop)
+        return hits, -(-need_tokens // ps) - st.num_pages - len(hits), new_keys, digest
+
+    def _more_hashes(self, st: RequestPages, ctx: TextContext, n_pages: int) -> tuple[list[BlockHash], bytes]:
+        """Keys of pages [len(st.hashes), n_pages) and the digest after them (not stored)."""
+        have = len(st.hashes)
+        if n_pages <= have:
+            return [], st.digest
+        parent = st.digest if have else self.hasher.root(ctx.cache_salt)
+        return self.hasher.extend(ctx.tokens.all, have, n_pages, parent)
+
+    def pages_needed(self, ctx: TextContext) -> tuple[int, int]:
+        """(new pages, evictable hit pages) that `alloc(ctx)` would take from the free count."""
+        hits, need, _, _ = self._plan(self._claimed(ctx.request_id), ctx)
+        return max(need, 0), self.pool.count_unreferenced(hits)
+
+    # ------------------------------------------------------------------ queries
+    def get_req_blocks(self, request_id: RequestID) -> list[int]:
+        """The page ids of `request_id` in logical order (``[null]`` for a dummy)."""
+        st = self._reqs.get(request_id)
+        if st is None:
+            raise ValueError(f"request {request_id!r} is not claimed")
+        return [self.pool.null_block] if st.dummy else st.pages[: st.num_pages].tolist()
+
+    def request_ids(self) -> list[RequestID]:
+        """Every claimed request id."""
+        return list(self._reqs)
+
+    @property
+    def metrics(self) -> KVCacheMetrics:
+        """Counters since the last `reset_metrics` and a snapshot of page usage."""
+        pool = self.pool
+        return KVCacheMetrics(
+            input_tokens=self._input_tokens,
+            cache_tokens=self._cache_tokens,
+            evictions=pool.num_evictions - self._evictions_at_reset,
+            used_pages=pool.num_used,
+            total_pages=pool.num_blocks,
+            cached_pages=pool.num_cached,
+        )
+
+    def reset_metrics(self) -> None:
+        """Zero the counters (page usage is a snapshot and stays)."""
+        self._input_tokens = self._cache_tokens = 0
+        self._evictions_at_reset = self.pool.num_evictions
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every evictable cached page from the prefix cache; returns how many."""
+        return self.pool.reset_prefix_cache()
+
+    def build_tables(self, batch: list[TextContext], max_cache_length: int | None = None) -> BatchTables:
+        """Lookup table and cache lengths for `batch` (see `BatchTables`). No side effects.
+
+        Raises ValueError when a request is unknown, repeated, or lacks pages
+        (`alloc` first), or when `max_cache_length` is below what the batch needs.
+        """
+        return build_tables(self._reqs, batch, self.page_size, self.num_speculative_tokens, self.pool.null_block,
+                            max_cache_length)  # fmt: skip
+
+    # ------------------------------------------------------------------ invariants
+    def check_integrity(self) -> None:
+        """Raise `IntegrityError` unless pool, prefix cache and request tables agree."""
+        pool, null = self.pool, self.pool.null_block
+        holders: Counter[int] = Counter()
+        for rid, st in self._reqs.items():
+            pages = st.pages[: st.num_pages].tolist()
+            holders.update(pages)
+            _require(null not in pages, f"request {rid!r} holds the null page")
+            _require(not (st.dummy and pages), f"dummy request {rid!r} holds pages")
+            _require(
+                st.committed <= min(st.num_pages, len(st.hashes)),
+                f"request {rid!r}: committed={st.committed} exceeds its pages or hashes",
+            )
+            for i, page in enumerate(pages):
+                if i < st.committed:
+                    _require(pool.block_hash(page) == st.hashes[i], f"request {rid!r} page {i} ({page}) hash mismatch")
+                else:
+                    _require(pool.block_hash(page) is None, f"request {rid!r} uncommitted page {page} has a hash")
+                    _require(pool.ref_count(page) == 1, f"request {rid!r} private page {page} is shared")
+        pool.check_integrity(holders)

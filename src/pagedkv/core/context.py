@@ -1,0 +1,211 @@
+"""Request state the cache reads and advances: `TokenBuffer` and `TextContext`.
+
+A token buffer splits a request's tokens into three regions::
+
+    0 ......... processed_length ......... current_position ......... len(tokens)
+    |  KV in the cache  |  active: this forward pass  |  later chunks (chunked prefill only)
+
+`alloc` may move `processed_length` forward over a prefix-cache hit
+(`skip_processing`); `update` moves the window past what the model just ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["TokenBuffer", "TextContext", "RequestID"]
+
+RequestID = Hashable
+"""Any hashable request id (MAX uses strings)."""
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _as_token_array(tokens: Any) -> np.ndarray:
+    array = np.asarray(tokens)
+    if array.ndim != 1 or array.size == 0:
+        raise ValueError(f"tokens must be a non-empty 1-D sequence, got shape {array.shape}")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"tokens must be integers, got dtype {array.dtype}")
+    low, high = int(array.min()), int(array.max())
+    if low < _INT32_MIN or high > _INT32_MAX:
+        bad = low if low < _INT32_MIN else high
+        raise ValueError(f"token {bad} is outside int32 [{_INT32_MIN}, {_INT32_MAX}]")
+    return array.astype(np.int32)
+
+
+class TokenBuffer:
+    """A growable int32 token array with a processing window (see module docstring)."""
+
+    __slots__ = ("_array", "_len", "_processed", "_end", "_prompt_length")
+
+    def __init__(self, tokens: Sequence[int] | np.ndarray) -> None:
+        array = _as_token_array(tokens)
+        n = len(array)
+        self._array = np.empty(max(16, 2 * n), dtype=np.int32)
+        self._array[:n] = array
+        self._len = n
+        self._processed = 0
+        self._end = n
+        self._prompt_length = n
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return self.all[index]
+
+    def __repr__(self) -> str:
+        return f"TokenBuffer(len={self._len}, processed={self._processed}, active={self.active_length})"
+
+    @property
+    def all(self) -> np.ndarray:
+        """Every token, prompt and generated: a read-only int32 view."""
+        view = self._array[: self._len]
+        view.flags.writeable = False
+        return view
+
+    @property
+    def active(self) -> np.ndarray:
+        """The tokens of the next forward pass: ``all[processed_length:current_position]``."""
+        return self.all[self._processed : self._end]
+
+    @property
+    def processed_length(self) -> int:
+        """Tokens whose KV is already in the cache."""
+        return self._processed
+
+    @property
+    def active_length(self) -> int:
+        """Tokens the next forward pass runs."""
+        return self._end - self._processed
+
+    @property
+    def current_position(self) -> int:
+        """End of the active window."""
+        return self._end
+
+    @property
+    def prompt_length(self) -> int:
+        """Tokens given as prompt (everything, after `reset_as_new_prompt`)."""
+        return self._prompt_length
+
+    @property
+    def generated_length(self) -> int:
+        """Tokens appended by `advance_with_token`."""
+        return self._len - self._prompt_length
+
+    @property
+    def is_chunked(self) -> bool:
+        """True while the active window stops before the last token (chunked prefill)."""
+        return self._end < self._len
+
+    def skip_processing(self, n: int) -> None:
+        """Treat the first `n` active tokens as already cached; one must stay active."""
+        if not 0 <= n < self.active_length:
+            raise ValueError(f"skip_processing(n={n}) needs 0 <= n < active_length={self.active_length}")
+        self._processed += n
+
+    def rewind_processing(self, n: int) -> None:
+        """Move `processed_length` back by `n` tokens (their KV must be recomputed)."""
+        if not 0 <= n <= self._processed:
+            raise ValueError(f"rewind_processing(n={n}) needs 0 <= n <= processed_length={self._processed}")
+        self._processed -= n
+
+    def chunk(self, n: int) -> None:
+        """Shrink the active window to its first `n` tokens (chunked prefill)."""
+        if not 1 <= n < self.active_length:
+            raise ValueError(f"chunk(n={n}) needs 1 <= n < active_length={self.active_length}")
+        self._end = self._processed + n
+
+    def advance_chunk(self) -> None:
+        """Mark the current chunk processed; the rest of the tokens become active."""
+        self._processed = self._end
+        self._end = self._len
+
+    def advance_with_token(self, token: int) -> None:
+        """Mark the window processed and append `token` as the new active token."""
+        if self.is_chunked:
+            raise ValueError("advance_with_token while chunked: call advance_chunk() first")
+        if not isinstance(token, int | np.integer) or isinstance(token, bool):
+            raise TypeError(f"token={token!r} must be an int")
+        if not _INT32_MIN <= token <= _INT32_MAX:
+            raise ValueError(f"token {token} is outside int32 [{_INT32_MIN}, {_INT32_MAX}]")
+        if self._len == len(self._array):
+            grown = np.empty(2 * self._len, dtype=np.int32)
+            grown[: self._len] = self._array[: self._len]
+            self._array = grown
+        self._array[self._len] = token
+        self._processed = self._len
+        self._len += 1
+        self._end = self._len
+
+    def reset_as_new_prompt(self) -> None:
+        """Forget all processing: every token (generated ones too) becomes prompt."""
+        self._processed = 0
+        self._end = self._len
+        self._prompt_length = self._len
+
+
+class TextContext:
+    """One request: id, tokens, stopping length and tenant salt.
+
+    Args:
+        request_id: unique id of the request (hashable).
+        tokens: prompt token ids (int32 range).
+        max_length: longest the sequence may grow (prompt + generated); None means no limit.
+        cache_salt: tenant key; requests with different salts never share pages.
+    """
+
+    __slots__ = ("request_id", "tokens", "max_length", "cache_salt", "cached_prefix_length", "cache_seq_id")
+
+    def __init__(
+        self,
+        request_id: RequestID,
+        tokens: Sequence[int] | np.ndarray,
+        max_length: int | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        hash(request_id)  # TypeError for unhashable ids
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt={cache_salt!r} must be a str or None")
+        self.tokens = TokenBuffer(tokens)
+        if max_length is not None and (not isinstance(max_length, int) or max_length < len(self.tokens)):
+            raise ValueError(f"max_length={max_length!r} must be an int >= the prompt length {len(self.tokens)}")
+        self.request_id = request_id
+        self.max_length = max_length
+        self.cache_salt = cache_salt
+        self.cached_prefix_length = 0
+        self.cache_seq_id: int | None = None
+
+    def __repr__(self) -> str:
+        return f"TextContext({self.request_id!r}, {self.tokens!r})"
+
+    @property
+    def is_done(self) -> bool:
+        """True once the sequence has reached `max_length`."""
+        return self.max_length is not None and len(self.tokens) >= self.max_length
+
+    def update(self, token: int) -> None:
+        """Record the forward pass just run: finish a prefill chunk, or append the sampled token.
+
+        On a chunked context the token is ignored (it was sampled mid-prompt).
+        """
+        if self.tokens.is_chunked:
+            self.tokens.advance_chunk()
+            return
+        if self.is_done:
+            raise ValueError(f"request {self.request_id!r} reached max_length={self.max_length}")
+        self.tokens.advance_with_token(token)
+
+    def reset(self) -> None:
+        """Restart as a new prompt (after preemption): nothing is processed any more."""
+        self.tokens.reset_as_new_prompt()
+        self.cached_prefix_length = 0
+
+    def assign_to_cache(self, seq_id: int) -> None:
+        """Bind this request to a `KVCacheManager` slot returned by `claim`."""
+        self.cache_seq_id = seq_id

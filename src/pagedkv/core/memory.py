@@ -1,0 +1,119 @@
+"""Memory planning: byte budgets to page counts, per data-parallel replica.
+
+    pages per replica = min((budget // dp) // bytes_per_block,
+                            ceil(max_seq_len / page_size) * max_batch_size)
+
+`bytes_per_block` covers one page over a replica's whole TP group (FP8
+scales included; MLA counts every replicated copy), so the budget is the sum
+over all devices.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from pagedkv.core.errors import InsufficientBlocksError
+from pagedkv.multi_params import KVCacheParamInterface
+from pagedkv.params import KVConnectorType
+
+__all__ = [
+    "compute_num_device_blocks",
+    "compute_num_host_blocks",
+    "estimated_memory_size",
+    "compute_max_seq_len_fitting_in_cache",
+    "infer_optimal_batch_size",
+]
+
+logger = logging.getLogger(__name__)
+GiB = 1024**3
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1")
+
+
+def compute_num_device_blocks(
+    params: KVCacheParamInterface,
+    available_cache_memory: int,
+    max_batch_size: int | None = None,
+    max_seq_len: int | None = None,
+) -> int:
+    """Pages per replica that fit in `available_cache_memory` bytes (all devices together).
+
+    When both `max_batch_size` and `max_seq_len` are given, never more than
+    that many full-length sequences need. Raises `InsufficientBlocksError`
+    when not even one page fits.
+    """
+    if not isinstance(available_cache_memory, int) or available_cache_memory < 0:
+        raise ValueError(f"available_cache_memory={available_cache_memory!r} must be an int >= 0 (bytes)")
+    dp, per_page = params.data_parallel_degree, params.bytes_per_block
+    allocable = (available_cache_memory // dp) // per_page
+    if allocable == 0:
+        raise InsufficientBlocksError(
+            f"Insufficient cache memory to allocate even a single page: {available_cache_memory} bytes over "
+            f"{dp} replica(s), {per_page} bytes per page",
+            needed=1,
+            available=0,
+        )
+    blocks = allocable
+    if max_batch_size is not None and max_seq_len is not None:
+        _check_positive("max_batch_size", max_batch_size)
+        _check_positive("max_seq_len", max_seq_len)
+        pages_per_seq = math.ceil(max_seq_len / params.page_size)
+        blocks = min(allocable, pages_per_seq * max_batch_size)
+        if pages_per_seq > allocable:
+            logger.warning(
+                "one sequence of max_seq_len=%d needs %d pages; only %d fit", max_seq_len, pages_per_seq, allocable
+            )
+        elif max_batch_size > allocable:
+            logger.warning("max_batch_size=%d exceeds the %d pages that fit", max_batch_size, allocable)
+    return blocks
+
+
+def estimated_memory_size(
+    params: KVCacheParamInterface,
+    available_cache_memory: int,
+    max_batch_size: int | None = None,
+    max_seq_len: int | None = None,
+) -> int:
+    """Bytes the device pages take over all replicas (never more than available or needed)."""
+    blocks = compute_num_device_blocks(params, available_cache_memory, max_batch_size, max_seq_len)
+    return blocks * params.bytes_per_block * params.data_parallel_degree
+
+
+def compute_max_seq_len_fitting_in_cache(params: KVCacheParamInterface, available_cache_memory: int) -> int:
+    """Longest single sequence the budget holds: pages per replica times page size."""
+    return compute_num_device_blocks(params, available_cache_memory) * params.page_size
+
+
+def infer_optimal_batch_size(params: KVCacheParamInterface, max_seq_len: int, available_cache_memory: int) -> int:
+    """Largest batch whose sequences can all reach `max_seq_len` without preemption (at least 1)."""
+    _check_positive("max_seq_len", max_seq_len)
+    pages = compute_num_device_blocks(params, available_cache_memory)
+    return max(1, pages // math.ceil(max_seq_len / params.page_size))
+
+
+def host_bytes_per_block(params: KVCacheParamInterface) -> int:
+    """Bytes of one page in host memory: replicated (MLA) caches keep a single copy."""
+    return sum(
+        leaf.bytes_per_block // leaf.tensor_parallel_degree if leaf.replicates_kv_across_tp else leaf.bytes_per_block
+        for leaf in params.leaves()
+    )
+
+
+def compute_num_host_blocks(params: KVCacheParamInterface) -> int:
+    """Host pages per replica for `host_kvcache_swap_space_gb` (0 without a local/tiered connector)."""
+    if params.kv_connector not in (KVConnectorType.local, KVConnectorType.tiered):
+        return 0
+    swap = params.host_kvcache_swap_space_gb
+    assert swap is not None  # guaranteed by KVCacheParams validation
+    blocks = int(swap * GiB // host_bytes_per_block(params))
+    if blocks == 0:
+        raise InsufficientBlocksError(
+            f"host_kvcache_swap_space_gb={swap} holds no page of {host_bytes_per_block(params)} bytes",
+            needed=1,
+            available=0,
+        )
+    return blocks

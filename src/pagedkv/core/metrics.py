@@ -1,0 +1,55 @@
+"""`KVCacheMetrics`: counters of one replica (or a sum over replicas), MAX's names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+__all__ = ["KVCacheMetrics"]
+
+
+@dataclass
+class KVCacheMetrics:
+    """Cache counters since the last `reset_metrics`, plus a snapshot of page usage.
+
+    Attributes:
+        input_tokens: tokens that had to be computed: the active tokens at every
+            `alloc` (decode steps count one each), after prefix-cache hits.
+        cache_tokens: tokens served from the cache instead of computed.
+        evictions: cached pages whose hash was dropped to make room.
+        h2d_blocks_copied / d2h_blocks_copied: pages loaded from / offloaded to host.
+        disk_blocks_written / disk_blocks_read: pages moved to / from disk.
+        used_pages / total_pages: device pages in use and in the pool (snapshot).
+        cached_pages: device pages holding a prefix-cache hash (snapshot).
+    """
+
+    input_tokens: int = 0
+    cache_tokens: int = 0
+    evictions: int = 0
+    h2d_blocks_copied: int = 0
+    d2h_blocks_copied: int = 0
+    disk_blocks_written: int = 0
+    disk_blocks_read: int = 0
+    used_pages: int = 0
+    total_pages: int = 0
+    cached_pages: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens asked for: computed plus served from the cache."""
+        return self.input_tokens + self.cache_tokens
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """`cache_tokens / prompt_tokens`, 0.0 before any token."""
+        total = self.prompt_tokens
+        return self.cache_tokens / total if total else 0.0
+
+    @property
+    def used_pages_pct(self) -> float:
+        """`used_pages / total_pages`, 0.0 for an empty pool."""
+        return self.used_pages / self.total_pages if self.total_pages else 0.0
+
+    def __add__(self, other: KVCacheMetrics) -> KVCacheMetrics:
+        if not isinstance(other, KVCacheMetrics):
+            return NotImplemented
+        return KVCacheMetrics(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})

@@ -1,0 +1,104 @@
+"""Per-request page tables and the batch lookup table built from them (pure numpy)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pagedkv.core.context import TextContext
+from pagedkv.core.hashing import BlockHash
+
+__all__ = ["RequestPages", "BatchTables", "build_tables", "lut_columns"]
+
+_NO_PAGES = np.zeros(0, dtype=np.int32)
+
+
+@dataclass(slots=True, eq=False)
+class RequestPages:
+    """One request's page table and prefix-cache progress."""
+
+    pages: np.ndarray = field(default_factory=lambda: _NO_PAGES)  # int32 ids; only [:num_pages] is meaningful
+    num_pages: int = 0
+    committed: int = 0  # leading pages committed to the prefix cache
+    hashes: list[BlockHash] = field(default_factory=list)  # keys of the hashed pages so far
+    digest: bytes = b""  # chain digest after hashes[-1]
+    dummy: bool = False
+
+    def append(self, new_pages: Sequence[int]) -> None:
+        """Add pages at the end of the table (the array grows by doubling)."""
+        n, k = self.num_pages, len(new_pages)
+        if n + k > len(self.pages):
+            grown = np.empty(max(2 * len(self.pages), n + k, 8), dtype=np.int32)
+            grown[:n] = self.pages[:n]
+            self.pages = grown
+        self.pages[n : n + k] = new_pages
+        self.num_pages = n + k
+
+
+@dataclass(frozen=True, eq=False)
+class BatchTables:
+    """Host-side tables of one replica's batch, ready to become tensors.
+
+    Attributes:
+        lookup_table: int32 [batch, round_up(pages, 8) + 16]; row i lists request
+            i's pages in logical order, every other cell is the null page id.
+        cache_lengths: int32 [batch]; tokens already in the cache per request.
+        max_prompt_length: longest active window in the batch.
+        max_cache_length: longest ``processed + active`` in the batch.
+    """
+
+    lookup_table: np.ndarray
+    cache_lengths: np.ndarray
+    max_prompt_length: int
+    max_cache_length: int
+
+
+def lut_columns(num_pages: int) -> int:
+    """Lookup-table width for `num_pages` pages: a multiple of 8 plus 16 cells of overrun room."""
+    return -(-num_pages // 8) * 8 + 16
+
+
+def build_tables(
+    reqs: Mapping[Hashable, RequestPages],
+    batch: Sequence[TextContext],
+    page_size: int,
+    num_speculative_tokens: int,
+    null_page: int,
+    max_cache_length: int | None = None,
+) -> BatchTables:
+    """The `BatchTables` of `batch`; each request must hold pages for all its tokens (+ drafts)."""
+    rows: list[tuple[RequestPages, int]] = []
+    seen: set[Any] = set()
+    for ctx in batch:
+        rid = ctx.request_id
+        st = reqs.get(rid)
+        if st is None or rid in seen:
+            raise ValueError(f"request {rid!r} is {'repeated in the batch' if st else 'not claimed'}")
+        seen.add(rid)
+        required = 0 if st.dummy else -(-(len(ctx.tokens) + num_speculative_tokens) // page_size)
+        if st.num_pages < required:
+            raise ValueError(
+                f"request {rid!r} holds {st.num_pages} pages but needs {required}: alloc must be called first"
+            )
+        rows.append((st, required))
+    width = max((r for _, r in rows), default=0)
+    if max_cache_length is not None:
+        if type(max_cache_length) is not int or max_cache_length < 1:
+            raise ValueError(f"max_cache_length={max_cache_length!r} must be an int >= 1")
+        if -(-max_cache_length // page_size) < width:
+            raise ValueError(f"max_cache_length={max_cache_length} is below the batch's {width} pages of {page_size}")
+        width = -(-max_cache_length // page_size)
+    lut = np.full((len(rows), lut_columns(width)), null_page, dtype=np.int32)
+    for i, (st, required) in enumerate(rows):
+        lut[i, :required] = st.pages[:required]
+    processed = [ctx.tokens.processed_length for ctx in batch]
+    ends = [ctx.tokens.current_position for ctx in batch]
+    return BatchTables(
+        lookup_table=lut,
+        cache_lengths=np.array(processed, dtype=np.int32),
+        max_prompt_length=max((e - p for p, e in zip(processed, ends, strict=True)), default=0),
+        max_cache_length=max(ends, default=0),
+    )

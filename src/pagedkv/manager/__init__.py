@@ -1,0 +1,25 @@
+"""KV cache managers (seed 001 and 003) and the inputs they hand to a model."""
+
+from pagedkv.manager.base import KVCacheManager
+from pagedkv.manager.continuous import ContinuousBatchingKVCacheManager
+from pagedkv.manager.paged import PagedKVCacheManager
+from pagedkv.runtime.inputs import (
+    KVCacheInputs,
+    KVCacheInputsSequence,
+    MultiKVCacheInputs,
+    PaddedKVCacheInputs,
+    RaggedKVCacheInputs,
+)
+from pagedkv.symbols import KVCacheInputSymbols
+
+__all__ = [
+    "ContinuousBatchingKVCacheManager",
+    "KVCacheInputSymbols",
+    "KVCacheInputs",
+    "KVCacheInputsSequence",
+    "KVCacheManager",
+    "MultiKVCacheInputs",
+    "PaddedKVCacheInputs",
+    "PagedKVCacheManager",
+    "RaggedKVCacheInputs",
+]

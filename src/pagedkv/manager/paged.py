@@ -1,0 +1,305 @@
+"""`PagedKVCacheManager`: paged KV cache over data- and tensor-parallel replicas (seed 003).
+
+Each data-parallel replica has its own `BlockManager` (page ids, prefix cache)
+and its own page buffers; a replica's TP shards share its page ids, lookup
+table and cache lengths. Usage::
+
+    mgr.claim(ctx.request_id, replica_idx=0)
+    mgr.alloc(ctx, replica_idx=0)                   # prefix hits + new pages
+    inputs = mgr.runtime_inputs([[ctx]])            # tensors for the model
+    ... model writes KV of ctx.tokens.active ...; ctx.update(token)
+    mgr.step([[ctx]])                               # commit written pages
+    mgr.release(ctx.request_id, replica_idx=0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from pagedkv.core import memory
+from pagedkv.core.block_manager import BlockManager
+from pagedkv.core.context import RequestID, TextContext
+from pagedkv.core.metrics import KVCacheMetrics
+from pagedkv.core.tables import BatchTables
+from pagedkv.manager.base import check_positive_int
+from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
+from pagedkv.params import KVCacheParams, KVConnectorType
+from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer
+from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs, max_lengths_table
+
+__all__ = ["PagedKVCacheManager"]
+
+
+class PagedKVCacheManager:
+    """Paged KV cache with prefix caching, one page pool per data-parallel replica.
+
+    Args:
+        params: `KVCacheParams`, or `MultiKVCacheParams` for a model with several caches.
+        total_num_pages: device pages per replica (the null page comes on top).
+        total_num_host_pages: host pages per replica; needs a host tier connector.
+        enable_runtime_checks: run `check_integrity()` after every mutating call.
+        max_batch_size: the largest batch `runtime_inputs` accepts per replica.
+    """
+
+    def __init__(
+        self,
+        params: KVCacheParamInterface,
+        total_num_pages: int,
+        total_num_host_pages: int = 0,
+        enable_runtime_checks: bool = False,
+        *,
+        max_batch_size: int,
+    ) -> None:
+        if not isinstance(params, KVCacheParams | MultiKVCacheParams):
+            raise TypeError(f"params must be KVCacheParams or MultiKVCacheParams, got {type(params).__name__}")
+        check_positive_int("total_num_pages", total_num_pages)
+        check_positive_int("total_num_host_pages", total_num_host_pages, 0)
+        check_positive_int("max_batch_size", max_batch_size)
+        if params.kv_connector not in (None, KVConnectorType.null):
+            raise ValueError(
+                f"kv_connector={params.kv_connector.value}: this pagedkv version has no host/disk/redis tiers yet"
+            )
+        if total_num_host_pages:
+            raise ValueError(f"total_num_host_pages={total_num_host_pages} needs a local or tiered kv_connector")
+        self.params = params
+        self.total_num_pages = total_num_pages
+        self.total_num_host_pages = total_num_host_pages
+        self.max_batch_size = max_batch_size
+        self.enable_runtime_checks = bool(enable_runtime_checks)
+        self.page_size = params.page_size
+        self.num_replicas = params.data_parallel_degree
+        self._buffers = params.allocate_buffers(total_num_pages + 1)
+        self._managers = [
+            BlockManager(
+                total_num_pages,
+                params.page_size,
+                enable_prefix_caching=params.enable_prefix_caching,
+                hash_algo=params.kv_hash_algo,
+                hash_seed=params.kv_hash_seed,
+                num_speculative_tokens=params.num_eagle_speculative_tokens,
+            )
+            for _ in range(self.num_replicas)
+        ]
+
+    @classmethod
+    def from_memory_budget(
+        cls,
+        params: KVCacheParamInterface,
+        available_cache_memory: int,
+        *,
+        max_batch_size: int,
+        max_seq_len: int | None = None,
+        enable_runtime_checks: bool = False,
+    ) -> PagedKVCacheManager:
+        """A manager with as many pages as `available_cache_memory` bytes hold (see `pagedkv.core.memory`)."""
+        pages = memory.compute_num_device_blocks(params, available_cache_memory, max_batch_size, max_seq_len)
+        host_pages = memory.compute_num_host_blocks(params)
+        return cls(params, pages, host_pages, enable_runtime_checks, max_batch_size=max_batch_size)
+
+    # ----------------------------------------------------------------- request lifecycle
+    def _bm(self, replica_idx: int) -> BlockManager:
+        if type(replica_idx) is not int or not 0 <= replica_idx < self.num_replicas:
+            raise ValueError(f"replica_idx={replica_idx!r} must be an int in [0, {self.num_replicas})")
+        return self._managers[replica_idx]
+
+    def _checked(self, bm: BlockManager) -> None:
+        if self.enable_runtime_checks:
+            bm.check_integrity()
+
+    def claim(self, request_id: RequestID, replica_idx: int = 0) -> None:
+        """Register `request_id` on a replica; no pages are taken yet."""
+        bm = self._bm(replica_idx)
+        bm.claim(request_id)
+        self._checked(bm)
+
+    def alloc_dummy(self, request_id: RequestID, replica_idx: int = 0) -> None:
+        """Claim a padding request whose table is the null page only (takes no page)."""
+        bm = self._bm(replica_idx)
+        bm.claim(request_id, dummy=True)
+        self._checked(bm)
+
+    def contains(self, request_id: RequestID, replica_idx: int = 0) -> bool:
+        """True while `request_id` is claimed on the replica."""
+        return self._bm(replica_idx).contains(request_id)
+
+    def alloc(self, data: TextContext, replica_idx: int = 0) -> None:
+        """Pages for every token of `data`, prefix-cache hits first (see `BlockManager.alloc`).
+
+        Raises `InsufficientBlocksError` when the pool is too full; nothing changes then.
+        """
+        bm = self._managers[replica_idx] if type(replica_idx) is int and 0 <= replica_idx < self.num_replicas else None
+        if bm is None:  # inlined `_bm`: this is the per-request hot path
+            bm = self._bm(replica_idx)
+        bm.alloc(data)
+        if self.enable_runtime_checks:
+            bm.check_integrity()
+
+    def step(self, batches: Sequence[Sequence[TextContext]]) -> None:
+        """Commit the pages each request has written since the last step (one batch per replica)."""
+        self._check_batches(batches)
+        for bm, batch in zip(self._managers, batches, strict=True):
+            bm.step_batch(batch)
+            self._checked(bm)
+
+    def release(self, request_id: RequestID, replica_idx: int = 0) -> None:
+        """Forget `request_id` and free its pages (tail first; cached pages stay hittable)."""
+        bm = self._bm(replica_idx)
+        bm.release(request_id)
+        self._checked(bm)
+
+    @contextmanager
+    def reserve(self, replica_batches: Sequence[Sequence[TextContext]]) -> Iterator[None]:
+        """Claim and alloc every context for the scope; release them all on exit, even on error."""
+        self._check_batches(replica_batches)
+        taken: list[tuple[RequestID, int]] = []
+        try:
+            for r, batch in enumerate(replica_batches):
+                for ctx in batch:
+                    self.claim(ctx.request_id, r)
+                    taken.append((ctx.request_id, r))
+                    self.alloc(ctx, r)
+            yield
+        finally:
+            for request_id, r in reversed(taken):
+                self.release(request_id, r)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every evictable cached page on every replica (pages in use keep theirs)."""
+        for bm in self._managers:
+            bm.reset_prefix_cache()
+            self._checked(bm)
+
+    # ----------------------------------------------------------------- runtime inputs
+    def _check_batches(self, batches: Sequence[Sequence[TextContext]]) -> None:
+        if len(batches) != self.num_replicas:
+            raise ValueError(f"got {len(batches)} batches; need one per replica ({self.num_replicas})")
+
+    def runtime_inputs(
+        self, batches: Sequence[Sequence[TextContext]], *, max_cache_length: int | None = None
+    ) -> KVCacheInputs:
+        """Tensors for one forward pass: a `KVCacheInputs` whose `.inputs` has one
+        `RaggedKVCacheInputs` per device, replica-major (a `MultiKVCacheInputs`
+        tree for `MultiKVCacheParams`, whose leaves share each device's lookup
+        table and cache lengths). No bookkeeping changes.
+
+        Raises ValueError when a request has no pages for its tokens (call
+        `alloc`), a batch exceeds `max_batch_size`, or `max_cache_length` is too small.
+        """
+        self._check_batches(batches)
+        per_device: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for r, (bm, batch) in enumerate(zip(self._managers, batches, strict=True)):
+            if len(batch) > self.max_batch_size:
+                raise ValueError(f"replica {r} batch of {len(batch)} exceeds max_batch_size={self.max_batch_size}")
+            per_device.extend(self._device_tables(r, bm.build_tables(list(batch), max_cache_length)))
+        return self._assemble(self.params, self._buffers, per_device)
+
+    def _device_tables(
+        self, r: int, tables: BatchTables
+    ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        lut = torch.from_numpy(tables.lookup_table)  # [B, cols]
+        lengths = torch.from_numpy(tables.cache_lengths)  # [B]
+        max_lengths = max_lengths_table(tables.max_prompt_length, tables.max_cache_length)  # [1, 2]
+        for s, device in enumerate(self.params.devices_per_replica[r]):
+            dev = device.to_torch()
+            yield r, s, lut.to(dev, copy=True), lengths.to(dev, copy=True), max_lengths
+
+    def _assemble(self, params: KVCacheParamInterface, buffers: list[Any], per_device: list[Any]) -> KVCacheInputs:
+        if isinstance(params, MultiKVCacheParams):
+            children = {
+                name: self._assemble(child, [b.children[name] for b in buffers], per_device)
+                for name, child in params.children.items()
+            }
+            return MultiKVCacheInputs(children)
+        records = []
+        for r, s, lut, lengths, max_lengths in per_device:
+            buf: KVCacheBuffer = buffers[r]
+            scales = buf.scales[s] if buf.scales else None
+            records.append(RaggedKVCacheInputs(buf.values[s], lengths, lut, max_lengths, scales))
+        return KVCacheInputs(records)
+
+    def runtime_inputs_for_leaf(
+        self, batches: Sequence[Sequence[TextContext]], *, max_cache_length: int | None = None
+    ) -> KVCacheInputs:
+        """`runtime_inputs` for a single-cache model; TypeError for a multi-cache tree."""
+        if isinstance(self.params, MultiKVCacheParams):
+            raise TypeError("runtime_inputs_for_leaf needs KVCacheParams; this manager has MultiKVCacheParams")
+        return self.runtime_inputs(batches, max_cache_length=max_cache_length)
+
+    def get_device_buffer(self, replica_idx: int = 0) -> KVCacheBuffer | MultiKVCacheBuffer:
+        """The replica's page buffers (a tree for multi-cache models)."""
+        self._bm(replica_idx)
+        return self._buffers[replica_idx]
+
+    # ----------------------------------------------------------------- queries
+    def get_req_blocks(self, request_id: RequestID, replica_idx: int = 0) -> list[int]:
+        """Page ids of the request in logical order."""
+        return self._bm(replica_idx).get_req_blocks(request_id)
+
+    def num_free_blocks(self, replica_idx: int = 0) -> int:
+        """Pages an allocation can take (fresh plus evictable cached)."""
+        return self._bm(replica_idx).pool.num_free
+
+    def total_num_blocks(self, replica_idx: int = 0) -> int:
+        """Pages in the replica's pool (null page excluded)."""
+        return self._bm(replica_idx).pool.num_blocks
+
+    get_num_pages = total_num_blocks
+
+    def get_num_used_pages(self, replica_idx: int = 0) -> int:
+        """Pages referenced by requests."""
+        return self._bm(replica_idx).pool.num_used
+
+    def get_num_host_pages(self, replica_idx: int = 0) -> int:
+        """Host pages of the replica (0: this version has no host tier)."""
+        self._bm(replica_idx)
+        return 0
+
+    def get_num_used_host_pages(self, replica_idx: int = 0) -> int:
+        """Host pages holding cached KV (0: this version has no host tier)."""
+        return self.get_num_host_pages(replica_idx)
+
+    def get_num_disk_pages(self, replica_idx: int = 0) -> int:
+        """Disk pages of the replica (0: this version has no disk tier)."""
+        return self.get_num_host_pages(replica_idx)
+
+    def get_num_used_disk_pages(self, replica_idx: int = 0) -> int:
+        """Disk pages holding cached KV (0: this version has no disk tier)."""
+        return self.get_num_host_pages(replica_idx)
+
+    def get_pct_used_blocks_after_allocation(self, ctx: TextContext, replica_idx: int = 0) -> float:
+        """Fraction of the pool in use if `alloc(ctx)` ran now (capped at 1.0). No side effects."""
+        bm = self._bm(replica_idx)
+        new_pages, evictable_hits = bm.pages_needed(ctx)
+        return min(1.0, (bm.pool.num_used + new_pages + evictable_hits) / bm.pool.num_blocks)
+
+    def get_metrics_aggregated(self) -> KVCacheMetrics:
+        """Counters and page usage summed over replicas."""
+        return sum((bm.metrics for bm in self._managers), start=KVCacheMetrics())
+
+    def reset_metrics(self) -> None:
+        """Zero every replica's counters."""
+        for bm in self._managers:
+            bm.reset_metrics()
+
+    def check_integrity(self) -> None:
+        """Raise `IntegrityError` unless every replica's bookkeeping is consistent."""
+        for bm in self._managers:
+            bm.check_integrity()
+
+    @classmethod
+    def estimated_memory_size(
+        cls, params: KVCacheParamInterface, available_cache_memory: int, max_batch_size: int, max_seq_len: int
+    ) -> int:
+        """Bytes the device pages will take for this budget and shape, over all replicas."""
+        return memory.estimated_memory_size(params, available_cache_memory, max_batch_size, max_seq_len)
+
+    @classmethod
+    def infer_optimal_batch_size(
+        cls, params: KVCacheParamInterface, max_seq_len: int, available_cache_memory: int
+    ) -> int:
+        """Largest batch whose sequences all reach `max_seq_len` without preemption."""
+        return memory.infer_optimal_batch_size(params, max_seq_len, available_cache_memory)

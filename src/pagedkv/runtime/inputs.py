@@ -1,0 +1,81 @@
+"""Runtime KV cache inputs: the tensors a model's attention reads each step.
+
+Per device, a `RaggedKVCacheInputs`::
+
+    blocks        [total_num_pages + 1, kv_dim, num_layers, page_size, heads, head_dim]
+    cache_lengths int32 [batch]             tokens already in the cache per request
+    lookup_table  int32 [batch, cols]       page ids, null-padded (cols = round_up(pages, 8) + 16)
+    max_lengths   int32 [num_steps, 2] CPU  row s: (max prompt length, max cache length)
+    kv_scales     FP8 scales, same page layout (quantized caches only)
+
+The token at position p of request b lives in page ``lookup_table[b, p // page_size]``
+at slot ``p % page_size``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.records import InputTree, RecordMixin, TreeMapMixin
+
+__all__ = [
+    "KVCacheInputs",
+    "RaggedKVCacheInputs",
+    "PaddedKVCacheInputs",
+    "KVCacheInputsSequence",
+    "MultiKVCacheInputs",
+    "max_lengths_table",
+]
+
+
+class KVCacheInputs(InputTree[torch.Tensor]):
+    """Base of the KV input records, and the per-device container: `.inputs` lists them."""
+
+
+@dataclass(eq=False)
+class RaggedKVCacheInputs(RecordMixin, KVCacheInputs):
+    """One device's inputs for a ragged (packed, variable-length) batch; see module docstring."""
+
+    blocks: torch.Tensor
+    cache_lengths: torch.Tensor
+    lookup_table: torch.Tensor
+    max_lengths: torch.Tensor
+    kv_scales: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class PaddedKVCacheInputs(RecordMixin, KVCacheInputs):
+    """One device's inputs for a padded batch: every request starts at `start_pos`.
+
+    k_cache, v_cache: [batch, num_layers, max_seq_len, heads, head_dim] views of the slots.
+    start_pos: int64 scalar, the common cache length. null_op: an empty tensor.
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    start_pos: torch.Tensor
+    null_op: torch.Tensor
+
+
+class KVCacheInputsSequence(KVCacheInputs):
+    """A sequence of `KVCacheInputs` (one per step of a multistep run, or per replica)."""
+
+    def __init__(self, kv_cache_inputs: Sequence[KVCacheInputs]) -> None:
+        self.kv_cache_inputs = list(kv_cache_inputs)
+        super().__init__(self.kv_cache_inputs)
+
+
+class MultiKVCacheInputs(TreeMapMixin, KVCacheInputs):
+    """Inputs of a multi-cache model: one child per cache, sharing lookup tables and cache lengths."""
+
+    def __init__(self, children: Mapping[str, KVCacheInputs]) -> None:
+        super().__init__(self._init_children(children))
+
+
+def max_lengths_table(max_prompt_length: int, max_cache_length: int, num_steps: int = 1) -> torch.Tensor:
+    """int32 [num_steps, 2] on CPU: row s = (max_prompt_length if s == 0 else 1, max_cache_length + s)."""
+    rows = [(max_prompt_length if s == 0 else 1, max_cache_length + s) for s in range(num_steps)]
+    return torch.tensor(rows, dtype=torch.int32).reshape(num_steps, 2)

@@ -1,0 +1,73 @@
+"""Symbolic descriptions of the KV cache graph inputs (no torch needed).
+
+`KVCacheParams.get_symbolic_inputs()` returns these so a graph builder (or a
+CUDA-graph capture) can declare its inputs before any tensor exists. Static
+dims are ints, symbolic dims are strings such as ``"replica_0_batch_size"``.
+They flatten in exactly the order of the runtime inputs
+(`pagedkv.manager.KVCacheInputs.flatten`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pagedkv.dtype import DeviceRef, DType
+from pagedkv.records import InputTree, RecordMixin, TreeMapMixin
+
+__all__ = [
+    "TensorSpec",
+    "KVCacheInputSymbols",
+    "RaggedKVCacheInputSymbols",
+    "PaddedKVCacheInputSymbols",
+    "MultiKVCacheInputSymbols",
+]
+
+Dim = int | str
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, element type, shape (ints static, strings symbolic) and device of one input."""
+
+    name: str
+    dtype: DType
+    shape: tuple[Dim, ...]
+    device: DeviceRef
+
+    @property
+    def static_dims(self) -> tuple[int | None, ...]:
+        """The shape with every symbolic dim replaced by None."""
+        return tuple(d if isinstance(d, int) else None for d in self.shape)
+
+
+class KVCacheInputSymbols(InputTree[TensorSpec]):
+    """Base of the symbolic input records, and the per-device container (`.inputs`)."""
+
+
+@dataclass(eq=False)
+class RaggedKVCacheInputSymbols(RecordMixin, KVCacheInputSymbols):
+    """Symbols of one device's `RaggedKVCacheInputs`."""
+
+    blocks: TensorSpec
+    cache_lengths: TensorSpec
+    lookup_table: TensorSpec
+    max_lengths: TensorSpec
+    kv_scales: TensorSpec | None = None
+
+
+@dataclass(eq=False)
+class PaddedKVCacheInputSymbols(RecordMixin, KVCacheInputSymbols):
+    """Symbols of one device's `PaddedKVCacheInputs`."""
+
+    k_cache: TensorSpec
+    v_cache: TensorSpec
+    start_pos: TensorSpec
+    null_op: TensorSpec
+
+
+class MultiKVCacheInputSymbols(TreeMapMixin, KVCacheInputSymbols):
+    """A named tree of symbol sets, one per cache of a `MultiKVCacheParams`."""
+
+    def __init__(self, children: Mapping[str, KVCacheInputSymbols]) -> None:
+        super().__init__(self._init_children(children))

@@ -1,0 +1,104 @@
+"""`PrefixStampModel`: a fake model that proves a cache never serves the wrong KV.
+
+For every token it runs, it writes into the page slot the lookup table names
+a value derived from the token's whole prefix (K = f(prefix), V = f(prefix) + 1,
+on every layer, head and shard). Before writing, it checks that every cached
+position of every request already holds the value of *that request's* prefix.
+Any wrong page reuse, a stale page, a page shared while still being written,
+or a lookup-table slip shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from pagedkv.core.context import TextContext
+from pagedkv.manager.paged import PagedKVCacheManager
+from pagedkv.runtime.inputs import KVCacheInputs, RaggedKVCacheInputs
+
+_MOD = (1 << 24) - 3  # values stay exact in float32
+
+
+def prefix_values(tokens: np.ndarray, known: np.ndarray | None = None) -> np.ndarray:
+    """value[p] = rolling hash of tokens[:p + 1], exact in float32.
+
+    `known`, the values of a prefix of `tokens`, is extended instead of recomputed.
+    """
+    start = 0 if known is None else min(len(known), len(tokens))
+    out = np.empty(len(tokens), dtype=np.int64)
+    out[:start] = known[:start] if known is not None else []
+    h = int(out[start - 1]) if start else 7
+    for i, t in enumerate(tokens[start:].tolist(), start):
+        h = (h * 1_000_003 + int(t) + 11) % _MOD
+        out[i] = h
+    return out
+
+
+class PrefixStampModel:
+    """Checks, then writes, the KV of a batch through `runtime_inputs` (fp32/fp64 caches).
+
+    Use it to test a scheduler or an engine built on `PagedKVCacheManager`:
+    call `forward(batches)` where the real model would run. It raises
+    AssertionError naming the request and position at the first wrong value.
+    """
+
+    def __init__(self, manager: PagedKVCacheManager) -> None:
+        self.manager = manager
+        self.page_size = manager.page_size
+        self.positions_checked = 0  # cached positions verified so far
+        self._memo: dict[object, tuple[np.ndarray, np.ndarray]] = {}  # request id -> (tokens, their values)
+
+    def forward(self, batches: Sequence[Sequence[TextContext]]) -> KVCacheInputs:
+        inputs = self.manager.runtime_inputs(batches)
+        records = [r for r in inputs.inputs if isinstance(r, RaggedKVCacheInputs)]
+        per_replica = len(records) // self.manager.num_replicas
+        for i, record in enumerate(records):
+            replica = i // per_replica % self.manager.num_replicas
+            self._run_device(record, batches[replica], replica)
+        return inputs
+
+    def _prefix_values(self, ctx: TextContext, end: int) -> np.ndarray:
+        """prefix_values of the request's first `end` tokens, extending the last result when it still applies."""
+        tokens = ctx.tokens.all[:end]
+        known = None
+        if ctx.request_id in self._memo:
+            old_tokens, old_values = self._memo[ctx.request_id]
+            k = min(len(old_tokens), end)
+            if np.array_equal(old_tokens[:k], tokens[:k]):
+                known = old_values[:k]
+        values = prefix_values(tokens, known)
+        self._memo[ctx.request_id] = (tokens.copy(), values)
+        return values
+
+    def _run_device(self, record: RaggedKVCacheInputs, batch: Sequence[TextContext], replica: int) -> None:
+        ps, blocks = self.page_size, record.blocks  # [pages+1, kv_dim, L, ps, H, D]
+        pool = self.manager._managers[replica].pool
+        for b, ctx in enumerate(batch):
+            cached = int(record.cache_lengths[b])
+            assert cached == ctx.tokens.processed_length
+            end = ctx.tokens.current_position
+            values = torch.from_numpy(self._prefix_values(ctx, end).astype(np.float32))  # [end]
+            lut = record.lookup_table[b].long()  # [cols]
+            pos = torch.arange(end)  # [end]
+            pages, slots = lut[pos // ps], pos % ps  # [end], [end]
+            assert not (pages == pool.null_block).any(), f"{ctx.request_id!r}: a live position maps to the null page"
+            got = blocks[pages[:cached], 0, :, slots[:cached]]  # [cached, L, H, D]
+            want = values[:cached].view(-1, 1, 1, 1).expand_as(got)
+            bad = (got != want).nonzero()
+            assert bad.numel() == 0, f"{ctx.request_id!r}: position {int(bad[0, 0])} holds another prefix's KV"
+            if blocks.shape[1] == 2:
+                got_v = blocks[pages[:cached], 1, :, slots[:cached]]  # [cached, L, H, D]
+                assert torch.equal(got_v, want + 1), f"{ctx.request_id!r}: V differs from K + 1"
+            written = set(pages[cached:].tolist())
+            shared = [p for p in written if pool.ref_count(p) != 1]
+            assert not shared, f"{ctx.request_id!r} writes into shared pages {shared}"
+            active = values[cached:].view(-1, 1, 1, 1)  # [active, 1, 1, 1]
+            blocks[pages[cached:], 0, :, slots[cached:]] = active.expand(-1, *blocks.shape[2:3], *blocks.shape[4:])
+            if blocks.shape[1] == 2:
+                blocks[pages[cached:], 1, :, slots[cached:]] = (
+                    active.expand(-1, *blocks.shape[2:3], *blocks.shape[4:]) + 1
+                )
+            self.positions_checked += cached

@@ -1,0 +1,125 @@
+"""Prefix hashing: reproducible with hashlib alone, chained, salted, seeded."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+import pytest
+import xxhash
+
+from pagedkv.core.hashing import PrefixHasher, hash_tokens, root_digest
+
+
+def reference_sha256_chain(
+    tokens: list[int], page: int, seed: bytes = bytes(32), salt: str | None = None
+) -> list[bytes]:
+    """max.md section 6.2, written from its text: d_i = SHA256(SHA256(int32_le(page_i)) || d_{i-1})."""
+    parent = seed
+    if salt:
+        parent = bytes(a ^ b for a, b in zip(seed, hashlib.sha256(salt.encode()).digest(), strict=True))
+    out = []
+    usable = tokens[:-1]
+    for start in range(0, len(usable) - page + 1, page):
+        block = struct.pack(f"<{page}i", *usable[start : start + page])
+        parent = hashlib.sha256(hashlib.sha256(block).digest() + parent).digest()
+        out.append(parent)
+    return out
+
+
+@pytest.mark.parametrize("page", [1, 3, 16, 64])
+def test_sha256_matches_hashlib_reference(page: int) -> None:
+    rng = np.random.default_rng(page)
+    tokens = rng.integers(-(2**31), 2**31 - 1, size=200).tolist()
+    assert hash_tokens(tokens, page) == reference_sha256_chain(tokens, page)
+
+
+@pytest.mark.parametrize("page", [1, 2, 7, 16, 128, 1024])
+def test_one_key_per_full_page_of_all_but_last_token(page: int) -> None:
+    for n in (1, page, page + 1, 3 * page, 3 * page + 1):
+        keys = hash_tokens(list(range(n)), page)
+        assert len(keys) == (n - 1) // page
+        assert all(len(k) == 32 and k != bytes(32) for k in keys)
+        assert len(set(keys)) == len(keys)
+
+
+def test_chain_property_and_incremental_extension() -> None:
+    tokens = np.arange(100, dtype=np.int32)
+    hasher = PrefixHasher("sha256", 8)
+    keys, last = hasher.extend(tokens, 0, 12, hasher.root())
+    first, mid = hasher.extend(tokens, 0, 5, hasher.root())
+    rest, last2 = hasher.extend(tokens, 5, 12, mid)
+    assert first + rest == keys and last2 == last == keys[-1]
+    assert hasher.extend(tokens, 3, 3, b"p" * 32) == ([], b"p" * 32)
+
+
+def test_prefix_equality_not_page_equality() -> None:
+    page = 4
+    a = [1, 2, 3, 4, 9, 9, 9, 9, 0]
+    b = [5, 2, 3, 4, 9, 9, 9, 9, 0]  # same second page, different first token
+    ka, kb = hash_tokens(a, page), hash_tokens(b, page)
+    assert ka[0] != kb[0] and ka[1] != kb[1]
+
+
+def test_salt_and_seed_isolate_chains() -> None:
+    tokens = list(range(33))
+    plain = hash_tokens(tokens, 8)
+    salted = hash_tokens(tokens, 8, cache_salt="tenant-a")
+    other = hash_tokens(tokens, 8, cache_salt="tenant-b")
+    seeded = hash_tokens(tokens, 8, seed=b"\x01" * 32)
+    assert len({plain[0], salted[0], other[0], seeded[0]}) == 4
+    assert hash_tokens(tokens, 8, cache_salt="tenant-a") == salted  # deterministic
+    assert salted == reference_sha256_chain(tokens, 8, salt="tenant-a")
+    assert seeded == reference_sha256_chain(tokens, 8, seed=b"\x01" * 32)
+
+
+def test_root_digest_formula() -> None:
+    assert root_digest(None, None) == bytes(32)
+    seed = bytes(range(32))
+    assert root_digest(seed, None) == seed
+    salt = hashlib.sha256(b"s").digest()
+    assert root_digest(seed, "s") == bytes(a ^ b for a, b in zip(seed, salt, strict=True))
+
+
+def test_sha256_64_is_the_truncated_chain() -> None:
+    tokens = list(range(50))
+    full = hash_tokens(tokens, 4)
+    short = hash_tokens(tokens, 4, algo="sha256_64")
+    assert short == [int.from_bytes(d[:8], "big", signed=True) for d in full]
+    assert all(isinstance(k, int) and -(2**63) <= k < 2**63 for k in short)
+
+
+def test_xxh3_128_chain() -> None:
+    tokens = list(range(40))
+    keys = hash_tokens(tokens, 8, algo="xxh3_128", cache_salt="t")
+    parent = root_digest(None, "t")[:16]
+    expected = []
+    for start in range(0, 32, 8):
+        block = struct.pack("<8i", *tokens[start : start + 8])
+        parent = xxhash.xxh3_128_digest(xxhash.xxh3_128_digest(block) + parent)
+        expected.append(parent)
+    assert keys == expected and all(len(k) == 16 for k in keys)
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(ValueError, match="kv_hash_algo='md5' must be one of"):
+        PrefixHasher("md5", 4)
+    with pytest.raises(ValueError, match="outside int32"):
+        hash_tokens([2**31, 1, 2], 1)
+    with pytest.raises(TypeError, match="1-D integer sequence"):
+        hash_tokens(np.zeros((2, 2), dtype=np.int64), 1)
+
+
+def test_memo_gives_the_same_chain_and_stays_bounded() -> None:
+    rng = np.random.default_rng(1)
+    shared = rng.integers(0, 50, 24)
+    prompts = [np.concatenate([shared[: rng.integers(0, 25)], rng.integers(0, 3, 13)]) for _ in range(60)]
+    memo, plain = PrefixHasher("sha256", 4, memo_pages=8), PrefixHasher("sha256", 4, memo_pages=0)
+    for p in prompts:
+        n = (len(p) - 1) // 4
+        assert memo.extend(p, 0, n, memo.root()) == plain.extend(p, 0, n, plain.root())
+        assert len(memo._memo) < 8 and len(memo._memo_old) <= 8
+    assert not plain._memo and not plain._memo_old
+    again = memo.extend(prompts[-1], 0, 2, b"\x07" * 32)  # a different parent never reuses a memo entry
+    assert again == plain.extend(prompts[-1], 0, 2, b"\x07" * 32)

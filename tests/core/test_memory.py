@@ -1,0 +1,92 @@
+"""Memory planning: the figures of MAX's test_memory_estimation, on our functions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from helpers import make_params
+from pagedkv.core.errors import InsufficientBlocksError
+from pagedkv.core.memory import (
+    compute_max_seq_len_fitting_in_cache,
+    compute_num_device_blocks,
+    compute_num_host_blocks,
+    estimated_memory_size,
+    infer_optimal_batch_size,
+)
+from pagedkv.dtype import DeviceRef, DType
+from pagedkv.multi_params import MultiKVCacheParams
+from pagedkv.params import KVCacheQuantizationConfig
+
+GiB = 1024**3
+MiB_PAGE = make_params(n_kv_heads=8, head_dim=128, num_layers=1, page_size=128)  # 1 MiB per page
+
+
+def test_one_mib_pages() -> None:
+    assert MiB_PAGE.bytes_per_block == 1024 * 1024
+    assert compute_num_device_blocks(MiB_PAGE, GiB) == 1024
+    assert compute_num_device_blocks(MiB_PAGE, GiB + 7) == 1024
+    assert compute_num_device_blocks(MiB_PAGE, 17 * GiB) == 17 * 1024
+    assert estimated_memory_size(MiB_PAGE, GiB + 7) == GiB
+    assert compute_num_device_blocks(MiB_PAGE, GiB, max_batch_size=4, max_seq_len=1000) == 4 * 8
+    assert estimated_memory_size(MiB_PAGE, GiB, 4, 1000) == 32 * 1024 * 1024
+
+
+def test_parallelism() -> None:
+    tp2 = dataclasses.replace(MiB_PAGE, devices=[DeviceRef.GPU(0), DeviceRef.GPU(1)])
+    assert compute_num_device_blocks(tp2, GiB) == 1024
+    dp2 = dataclasses.replace(tp2, data_parallel_degree=2)
+    assert compute_num_device_blocks(dp2, GiB) == 512 and estimated_memory_size(dp2, GiB) == GiB
+
+
+def test_odd_page_size() -> None:
+    p = dataclasses.replace(MiB_PAGE, page_size=777)
+    assert p.bytes_per_block == 6_365_184
+    assert compute_num_device_blocks(p, GiB) == 168
+    assert estimated_memory_size(p, GiB) == 1_069_350_912
+
+
+def test_not_even_one_page() -> None:
+    with pytest.raises(InsufficientBlocksError, match="Insufficient cache memory to allocate even a single page"):
+        compute_num_device_blocks(MiB_PAGE, 1)
+    with pytest.raises(ValueError, match="available_cache_memory=-5 must be an int >= 0"):
+        compute_num_device_blocks(MiB_PAGE, -5)
+    with pytest.raises(ValueError, match="max_batch_size=0 must be an int >= 1"):
+        compute_num_device_blocks(MiB_PAGE, GiB, max_batch_size=0, max_seq_len=10)
+
+
+def test_fp8_gives_more_pages() -> None:
+    fp8 = dataclasses.replace(MiB_PAGE, dtype=DType.float8_e4m3fn, kvcache_quant_config=KVCacheQuantizationConfig())
+    # 1 byte per element plus one float32 scale per 128 elements
+    assert fp8.bytes_per_block == 2 * 128 * 8 * 128 + 2 * 128 * 8 * 1 * 4
+    assert compute_num_device_blocks(fp8, GiB) == GiB // fp8.bytes_per_block == 3971  # vs 1024 at fp32
+
+
+def test_multi_cache_halves_pages() -> None:
+    multi = MultiKVCacheParams({"a": MiB_PAGE, "b": MiB_PAGE})
+    assert compute_num_device_blocks(multi, GiB) == 512
+    assert compute_max_seq_len_fitting_in_cache(multi, GiB) < compute_max_seq_len_fitting_in_cache(MiB_PAGE, GiB)
+    assert compute_max_seq_len_fitting_in_cache(MiB_PAGE, GiB) == 1024 * 128
+
+
+def test_infer_optimal_batch_size() -> None:
+    assert infer_optimal_batch_size(MiB_PAGE, 1000, GiB) == 1024 // 8
+    assert infer_optimal_batch_size(MiB_PAGE, 10**6, GiB) == 1
+
+
+def test_host_pages() -> None:
+    assert compute_num_host_blocks(MiB_PAGE) == 0
+    local = dataclasses.replace(
+        MiB_PAGE, enable_prefix_caching=True, kv_connector="local", host_kvcache_swap_space_gb=2
+    )
+    assert compute_num_host_blocks(local) == 2048
+    mla = make_params(is_mla=True, num_q_heads=8, head_dim=512, page_size=128, dtype=DType.bfloat16,
+                      devices=[DeviceRef.GPU(i) for i in range(4)], enable_prefix_caching=True,
+                      kv_connector="local", host_kvcache_swap_space_gb=1)  # fmt: skip
+    one = dataclasses.replace(mla, devices=[DeviceRef.GPU(0)])
+    assert mla.bytes_per_block == 4 * one.bytes_per_block  # every shard holds the latent
+    assert compute_num_host_blocks(mla) == compute_num_host_blocks(one) == GiB // one.bytes_per_block  # host: one copy
+    tiny = dataclasses.replace(local, host_kvcache_swap_space_gb=1e-9)
+    with pytest.raises(InsufficientBlocksError, match="holds no page"):
+        compute_num_host_blocks(tiny)

@@ -1,0 +1,56 @@
+"""Test helpers shared by the suites (no torch import here)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pagedkv.core.block_manager import BlockManager
+from pagedkv.core.context import TextContext
+from pagedkv.dtype import DeviceRef, DType
+from pagedkv.params import KVCacheParams
+
+
+def make_params(**overrides: Any) -> KVCacheParams:
+    """Tiny fp32 MHA params on one CPU device; override any field."""
+    base: dict[str, Any] = dict(
+        dtype=DType.float32, n_kv_heads=1, head_dim=1, num_layers=1, devices=[DeviceRef.CPU()], page_size=4
+    )
+    base.update(overrides)
+    return KVCacheParams(**base)
+
+
+def ctx(request_id: Any, tokens: Any, **kwargs: Any) -> TextContext:
+    """A TextContext from a list/range/array of tokens."""
+    return TextContext(request_id, np.asarray(list(tokens), dtype=np.int64), **kwargs)
+
+
+def snapshot(bm: BlockManager, *contexts: TextContext) -> dict[str, Any]:
+    """Everything observable about a BlockManager (and contexts), for no-trace assertions."""
+    pool = bm.pool
+    reqs = {
+        rid: (st.pages[: st.num_pages].tolist(), st.committed, list(st.hashes), st.digest, st.dummy)
+        for rid, st in bm._reqs.items()
+    }
+    ctx_state = [
+        (c.tokens.processed_length, c.tokens.current_position, len(c.tokens), c.cached_prefix_length) for c in contexts
+    ]
+    return {
+        "free_order": pool.free_order(),
+        "refs": list(pool._ref),
+        "hashes": list(pool._hash),
+        "cache": dict(pool._cache),
+        "reqs": reqs,
+        "metrics": bm.metrics,
+        "contexts": ctx_state,
+    }
+
+
+def drive(bm: BlockManager, c: TextContext, tokens: list[int]) -> None:
+    """Run `c` through one forward per token of `tokens`: alloc, update(token), step."""
+    for token in tokens:
+        bm.alloc(c)
+        c.update(token)
+        bm.step(c)
+        bm.check_integrity()
