@@ -35,7 +35,7 @@ _SHARED = (
 )
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class MultiKVCacheParams:
     """A named tree of caches (`KVCacheParams` leaves, or nested trees) sharing one page table."""
 

@@ -171,6 +171,9 @@ def test_alloc_dummy_uses_null_page() -> None:
     lut = mgr.runtime_inputs([[real, ctx("pad", [0])]]).inputs[0].lookup_table
     assert lut[0, :3].tolist() == [0, 1, 2] and (lut[0, 3:] == 8).all() and (lut[1] == 8).all()
     assert not (lut == 0xCCCCCCCC - 2**32).any()
+    real.update(1)
+    mgr.step([[real, ctx("pad", [0])]])  # padding rows ride along in step: nothing to commit
+    assert mgr.get_req_blocks("pad") == [8] and mgr.get_metrics_aggregated().cached_pages == 2
 
 
 def test_reserve_releases_even_on_error() -> None:

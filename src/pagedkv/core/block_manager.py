@@ -129,7 +129,7 @@ class BlockManager:
             st.append(self.pool.allocate(need))
 
     def step(self, ctx: TextContext) -> None:
-        """Commit the full pages of ``ctx`` whose KV is written (no-op without prefix caching)."""
+        """Commit the full pages of ``ctx`` whose KV is written (no-op without prefix caching or for a dummy)."""
         self.step_batch((ctx,))
 
     def step_batch(self, batch: Iterable[TextContext]) -> None:
@@ -137,14 +137,14 @@ class BlockManager:
         reqs, ps, caching = self._reqs, self.page_size, self.enable_prefix_caching
         for ctx in batch:
             st = reqs.get(ctx.request_id)
-            if st is None or st.dummy:
-                self._claimed(ctx.request_id)  # raises the right error
-            if not caching:
+            if st is None:
+                raise ValueError(f"request {ctx.request_id!r} is not claimed: call claim() first")
+            if not caching or st.dummy:  # a dummy (padding) row has nothing to commit
                 continue
             tokens = ctx.tokens
             n_commit = min(tokens._processed, tokens._len - 1) // ps  # hot path: fields, not properties
-            if n_commit > st.committed:  # type: ignore[union-attr]
-                self._commit(st, ctx, n_commit)  # type: ignore[arg-type]
+            if n_commit > st.committed:
+                self._commit(st, ctx, n_commit)
 
     def _commit(self, st: RequestPages, ctx: TextContext, n_commit: int) -> None:
         n_commit = min(n_commit, st.num_pages)

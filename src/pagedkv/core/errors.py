@@ -9,8 +9,8 @@ class InsufficientBlocksError(Exception):
     """The pool cannot hold what was asked for; nothing was changed by the failing call.
 
     Attributes:
-        needed: pages the call needed.
-        available: pages it could have had (free plus evictable, minus its own hits).
+        needed: what the call needed (pages, unless the message names another unit).
+        available: what it could have had (for pages: free plus evictable, minus its own hits).
     """
 
     def __init__(self, message: str, *, needed: int, available: int) -> None:
