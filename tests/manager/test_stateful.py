@@ -18,9 +18,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from helpers import make_params, snapshot
 from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError
+from pagedkv.dtype import DeviceRef
+from pagedkv.dtype import DeviceRef
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.testing import PrefixStampModel
 
+CPU = DeviceRef.CPU()
+CPU = DeviceRef.CPU()
 PREFIXES = [list(range(100, 117)), list(range(200, 205)), [7] * 9]
 EXAMPLES = int(os.environ.get("PAGEDKV_FUZZ_EXAMPLES", "60"))
 
@@ -32,11 +36,14 @@ class ManagerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         spec=st.sampled_from([0, 0, 2]),
         algo=st.sampled_from(["sha256", "sha256_64", "xxh3_128"]),
+        layout=st.sampled_from(["mha", "mha-tp2", "mla-tp2"]),
     )
-    def setup(self, page_size: int, num_pages: int, caching: bool, spec: int, algo: str) -> None:
+    def setup(self, page_size: int, num_pages: int, caching: bool, spec: int, algo: str, layout: str) -> None:
+        shape = {"mha": {}, "mha-tp2": {"devices": [CPU, CPU]}, "mla-tp2": {"devices": [CPU, CPU], "is_mla": True}}
         params = make_params(
-            page_size=page_size, n_kv_heads=2, num_layers=2, head_dim=2, enable_prefix_caching=caching,
-            num_eagle_speculative_tokens=spec, kv_hash_algo=algo,
+            page_size=page_size, n_kv_heads=1 if layout.startswith("mla") else 2, num_q_heads=4, num_layers=2,
+            head_dim=2, enable_prefix_caching=caching, num_eagle_speculative_tokens=spec, kv_hash_algo=algo,
+            **shape[layout],
         )  # fmt: skip
         self.mgr = PagedKVCacheManager(params, num_pages, enable_runtime_checks=True, max_batch_size=64)
         self.model = PrefixStampModel(self.mgr)
