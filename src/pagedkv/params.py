@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.symbols import KVCacheInputSymbols, RaggedKVCacheInputSymbols, TensorSpec
+from pagedkv.validation import check_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from pagedkv.runtime.buffers import KVCacheBuffer
@@ -60,20 +61,13 @@ class KVCacheQuantizationConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.scale_dtype, DType):
             raise TypeError(f"scale_dtype={self.scale_dtype!r} must be a DType")
-        _check_int("quantization_granularity", self.quantization_granularity, 1)
+        check_int("quantization_granularity", self.quantization_granularity, 1)
 
 
 def split_into_groups(items: Sequence[Any], n: int) -> list[list[Any]]:
     """Split `items` into `n` contiguous groups of equal size, in order (replica-major)."""
     size = len(items) // n
     return [list(items[i * size : (i + 1) * size]) for i in range(n)]
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be an int")
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be at least {minimum}")
 
 
 def normalize_hash_seed(seed: bytes | str | None) -> bytes | None:
@@ -142,10 +136,10 @@ class KVCacheParams:
         if not isinstance(self.dtype, DType):
             raise TypeError(f"dtype={self.dtype!r} must be a pagedkv.DType")
         for name in ("n_kv_heads", "head_dim", "num_layers", "page_size", "data_parallel_degree"):
-            _check_int(name, getattr(self, name), 1)
-        _check_int("num_eagle_speculative_tokens", self.num_eagle_speculative_tokens, 0)
+            check_int(name, getattr(self, name), 1)
+        check_int("num_eagle_speculative_tokens", self.num_eagle_speculative_tokens, 0)
         if self.num_q_heads is not None:
-            _check_int("num_q_heads", self.num_q_heads, 1)
+            check_int("num_q_heads", self.num_q_heads, 1)
         for name in ("enable_prefix_caching", "is_mla"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")

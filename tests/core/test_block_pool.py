@@ -116,5 +116,5 @@ def test_integrity_catches_corruption() -> None:
 def test_million_page_pool() -> None:
     pool = BlockPool(1_000_000)
     assert pool.allocate(3) == [0, 1, 2] and pool.num_free == 999_997
-    with pytest.raises(ValueError, match="num_blocks=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match="num_blocks=0 must be at least 1"):
         BlockPool(0)

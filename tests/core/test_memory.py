@@ -50,9 +50,9 @@ def test_odd_page_size() -> None:
 def test_not_even_one_page() -> None:
     with pytest.raises(InsufficientBlocksError, match="Insufficient cache memory to allocate even a single page"):
         compute_num_device_blocks(MiB_PAGE, 1)
-    with pytest.raises(ValueError, match="available_cache_memory=-5 must be an int >= 0"):
+    with pytest.raises(ValueError, match="available_cache_memory=-5 must be at least 0"):
         compute_num_device_blocks(MiB_PAGE, -5)
-    with pytest.raises(ValueError, match="max_batch_size=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match="max_batch_size=0 must be at least 1"):
         compute_num_device_blocks(MiB_PAGE, GiB, max_batch_size=0, max_seq_len=10)
 
 

@@ -314,5 +314,5 @@ def test_bools_are_not_ids_or_counts() -> None:
     with pytest.raises(ValueError, match=r"seq_id=True must be an int in \[0, 4\)"):
         mgr.external_claim([True])
     assert mgr.slots_remaining == {0, 1, 2, 3}
-    with pytest.raises(ValueError, match="total_num_pages=True must be an int >= 1"):
+    with pytest.raises(TypeError, match="total_num_pages=True must be an int"):
         allocate_kv_buffers(make_params(), True)

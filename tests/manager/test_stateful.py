@@ -19,7 +19,6 @@ from helpers import make_params, snapshot
 from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.dtype import DeviceRef
-from pagedkv.dtype import DeviceRef
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.testing import PrefixStampModel
 

@@ -121,9 +121,13 @@ def test_allocate_dp2_four_devices_gives_one_buffer_per_replica() -> None:
     assert len(ptrs) == 4
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.0, "3"])
-def test_allocate_rejects_bad_page_count(bad: object) -> None:
-    with pytest.raises(ValueError, match=f"total_num_pages={bad!r} must be an int >= 1"):
+@pytest.mark.parametrize(
+    "bad,error,message",
+    [(0, ValueError, "must be at least 1"), (-1, ValueError, "must be at least 1"),
+     (2.0, TypeError, "must be an int"), ("3", TypeError, "must be an int")],
+)  # fmt: skip
+def test_allocate_rejects_bad_page_count(bad: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=f"total_num_pages={bad!r} {message}"):
         allocate_kv_buffers(make_params(), bad)  # type: ignore[arg-type]
 
 

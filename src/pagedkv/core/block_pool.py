@@ -30,6 +30,7 @@ import numpy as np
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.errors import require as _require
 from pagedkv.core.hashing import BlockHash
+from pagedkv.validation import check_int
 
 __all__ = ["BlockPool"]
 
@@ -38,8 +39,7 @@ class BlockPool:
     """Page ids, ref counts and the hash -> page prefix cache of one replica."""
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-            raise ValueError(f"num_blocks={num_blocks!r} must be an int >= 1")
+        check_int("num_blocks", num_blocks, 1)
         n = num_blocks
         self.num_blocks = n
         self.null_block = n

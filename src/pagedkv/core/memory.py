@@ -16,6 +16,7 @@ import math
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.multi_params import KVCacheParamInterface
 from pagedkv.params import KVConnectorType
+from pagedkv.validation import check_int
 
 __all__ = [
     "compute_num_device_blocks",
@@ -27,11 +28,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 GiB = 1024**3
-
-
-def _check_positive(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an int >= 1")
 
 
 def compute_num_device_blocks(
@@ -46,8 +42,7 @@ def compute_num_device_blocks(
     that many full-length sequences need. Raises `InsufficientBlocksError`
     when not even one page fits.
     """
-    if not isinstance(available_cache_memory, int) or available_cache_memory < 0:
-        raise ValueError(f"available_cache_memory={available_cache_memory!r} must be an int >= 0 (bytes)")
+    check_int("available_cache_memory", available_cache_memory, 0)
     dp, per_page = params.data_parallel_degree, params.bytes_per_block
     allocable = (available_cache_memory // dp) // per_page
     if allocable == 0:
@@ -59,8 +54,8 @@ def compute_num_device_blocks(
         )
     blocks = allocable
     if max_batch_size is not None and max_seq_len is not None:
-        _check_positive("max_batch_size", max_batch_size)
-        _check_positive("max_seq_len", max_seq_len)
+        check_int("max_batch_size", max_batch_size, 1)
+        check_int("max_seq_len", max_seq_len, 1)
         pages_per_seq = math.ceil(max_seq_len / params.page_size)
         blocks = min(allocable, pages_per_seq * max_batch_size)
         if pages_per_seq > allocable:
@@ -90,7 +85,7 @@ def compute_max_seq_len_fitting_in_cache(params: KVCacheParamInterface, availabl
 
 def infer_optimal_batch_size(params: KVCacheParamInterface, max_seq_len: int, available_cache_memory: int) -> int:
     """Largest batch whose sequences can all reach `max_seq_len` without preemption (at least 1)."""
-    _check_positive("max_seq_len", max_seq_len)
+    check_int("max_seq_len", max_seq_len, 1)
     pages = compute_num_device_blocks(params, available_cache_memory)
     return max(1, pages // math.ceil(max_seq_len / params.page_size))
 

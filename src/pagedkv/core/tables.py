@@ -10,6 +10,7 @@ import numpy as np
 
 from pagedkv.core.context import TextContext
 from pagedkv.core.hashing import BlockHash
+from pagedkv.validation import check_int
 
 __all__ = ["RequestPages", "BatchTables", "build_tables", "lut_columns"]
 
@@ -86,8 +87,7 @@ def build_tables(
         rows.append((st, required))
     width = max((r for _, r in rows), default=0)
     if max_cache_length is not None:
-        if type(max_cache_length) is not int or max_cache_length < 1:
-            raise ValueError(f"max_cache_length={max_cache_length!r} must be an int >= 1")
+        check_int("max_cache_length", max_cache_length, 1)
         if -(-max_cache_length // page_size) < width:
             raise ValueError(f"max_cache_length={max_cache_length} is below the batch's {width} pages of {page_size}")
         width = -(-max_cache_length // page_size)

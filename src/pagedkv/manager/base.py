@@ -21,18 +21,11 @@ from pagedkv.dtype import DeviceRef
 from pagedkv.params import KVCacheParams
 from pagedkv.runtime.inputs import KVCacheInputs, PaddedKVCacheInputs, RaggedKVCacheInputs
 from pagedkv.symbols import KVCacheInputSymbols
+from pagedkv.validation import check_int
 
 __all__ = ["KVCacheManager"]
 
 T = TypeVar("T", bound=TextContext)
-
-
-def check_positive_int(name: str, value: Any, minimum: int = 1) -> None:
-    """Raise TypeError/ValueError unless `value` is an int >= `minimum`."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be an int")
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be at least {minimum}")
 
 
 class KVCacheManager(ABC, Generic[T]):
@@ -50,8 +43,8 @@ class KVCacheManager(ABC, Generic[T]):
     ) -> None:
         if not isinstance(params, KVCacheParams):
             raise TypeError(f"params must be KVCacheParams, got {type(params).__name__}")
-        check_positive_int("max_batch_size", max_batch_size)
-        check_positive_int("max_seq_len", max_seq_len)
+        check_int("max_batch_size", max_batch_size, 1)
+        check_int("max_seq_len", max_seq_len, 1)
         self.params = params
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
@@ -63,7 +56,7 @@ class KVCacheManager(ABC, Generic[T]):
     # ----------------------------------------------------------------- slots
     def claim(self, n: int) -> list[int]:
         """Reserve `n` sequence ids, lowest first. Raises InsufficientBlocksError if fewer remain."""
-        check_positive_int("n", n)
+        check_int("n", n, 1)
         free = sorted(self.slots_remaining)
         if n > len(free):
             raise InsufficientBlocksError(

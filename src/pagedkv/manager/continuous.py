@@ -18,10 +18,11 @@ import torch
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.tables import lut_columns
 from pagedkv.dtype import DeviceRef, DType
-from pagedkv.manager.base import KVCacheManager, T, check_positive_int, check_redundant_args
+from pagedkv.manager.base import KVCacheManager, T, check_redundant_args
 from pagedkv.params import KVCacheParams
 from pagedkv.runtime.inputs import KVCacheInputs, PaddedKVCacheInputs, RaggedKVCacheInputs, max_lengths_table
 from pagedkv.symbols import KVCacheInputSymbols, PaddedKVCacheInputSymbols, TensorSpec
+from pagedkv.validation import check_int
 
 __all__ = ["ContinuousBatchingKVCacheManager"]
 
@@ -51,7 +52,7 @@ class ContinuousBatchingKVCacheManager(KVCacheManager[T]):
 
     def fetch(self, batch: list[T], num_steps: int = 1) -> list[KVCacheInputs]:
         """Per-device inputs for `batch`; every sequence must fit `len(tokens) + num_steps - 1` tokens."""
-        check_positive_int("num_steps", num_steps)
+        check_int("num_steps", num_steps, 1)
         seq_ids = self._seq_ids(batch)
         for ctx in batch:
             need = len(ctx.tokens) + num_steps - 1
@@ -133,8 +134,8 @@ class ContinuousBatchingKVCacheManager(KVCacheManager[T]):
     ) -> int:
         """Bytes of ``max_batch_size + 1`` slots of `max_seq_len` tokens (the +1 is the null slot)."""
         check_redundant_args(params, num_layers, devices)
-        check_positive_int("max_batch_size", max_batch_size)
-        check_positive_int("max_seq_len", max_seq_len)
+        check_int("max_batch_size", max_batch_size, 1)
+        check_int("max_seq_len", max_seq_len, 1)
         return (max_batch_size + 1) * dataclasses.replace(params, page_size=max_seq_len).bytes_per_block
 
     @classmethod
@@ -149,7 +150,7 @@ class ContinuousBatchingKVCacheManager(KVCacheManager[T]):
     ) -> int:
         """Slots of `max_seq_len` that fit in `available_cache_memory` next to the null slot."""
         check_redundant_args(params, num_layers, devices)
-        check_positive_int("max_seq_len", max_seq_len)
+        check_int("max_seq_len", max_seq_len, 1)
         if available_cache_memory is None:
             raise ValueError("available_cache_memory is required (bytes)")
         slot = dataclasses.replace(params, page_size=max_seq_len).bytes_per_block

@@ -25,11 +25,11 @@ from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.context import RequestID, TextContext
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.tables import BatchTables
-from pagedkv.manager.base import check_positive_int
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params import KVCacheParams, KVConnectorType
 from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer
 from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs, max_lengths_table
+from pagedkv.validation import check_int
 
 __all__ = ["PagedKVCacheManager"]
 
@@ -56,9 +56,9 @@ class PagedKVCacheManager:
     ) -> None:
         if not isinstance(params, KVCacheParams | MultiKVCacheParams):
             raise TypeError(f"params must be KVCacheParams or MultiKVCacheParams, got {type(params).__name__}")
-        check_positive_int("total_num_pages", total_num_pages)
-        check_positive_int("total_num_host_pages", total_num_host_pages, 0)
-        check_positive_int("max_batch_size", max_batch_size)
+        check_int("total_num_pages", total_num_pages, 1)
+        check_int("total_num_host_pages", total_num_host_pages, 0)
+        check_int("max_batch_size", max_batch_size, 1)
         if params.kv_connector not in (None, KVConnectorType.null):
             raise ValueError(
                 f"kv_connector={params.kv_connector.value}: this pagedkv version has no host/disk/redis tiers yet"

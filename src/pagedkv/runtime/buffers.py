@@ -15,6 +15,7 @@ import torch
 
 from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams
+from pagedkv.validation import check_int
 
 __all__ = [
     "KVCacheBuffer",
@@ -178,8 +179,7 @@ class MultiKVCacheBuffer:
 
 def allocate_kv_buffers(params: KVCacheParams, total_num_pages: int) -> list[KVCacheBuffer]:
     """Zeroed ``[total_num_pages, *shape_per_block]`` buffers on every device, one `KVCacheBuffer` per replica."""
-    if type(total_num_pages) is not int or total_num_pages < 1:
-        raise ValueError(f"total_num_pages={total_num_pages!r} must be an int >= 1")
+    check_int("total_num_pages", total_num_pages, 1)
     dtype = params.dtype.to_torch()
     buffers = []
     for devices in params.devices_per_replica:
