@@ -11,7 +11,7 @@ from pagedkv.cli import main
 
 
 def test_demo_verifies_and_leaks_nothing(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--requests", "30"]) == 0
+    assert main(["demo", "--manager-only", "--requests", "6"]) == 0
     out = capsys.readouterr().out
     assert "OK: integrity checks passed, no page leaked" in out
     assert "each held its own prefix's KV" in out and "prefix hit rate" in out
@@ -31,3 +31,22 @@ def test_bench_manager_small(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     for key in ("decode_step_us", "prefill_alloc_us", "release_us", "hash_ns_per_token_sha256", "pool_1m_ms"):
         assert result[key] > 0, key
     assert "| decode step, no new page" in capsys.readouterr().out
+
+
+def test_engine_demo_with_a_local_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hf_models import build
+
+    build("qwen3").save_pretrained(tmp_path / "ckpt")
+    assert main(["demo", "--requests", "6", "--model", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert "6/6 outputs identical" in out and "OK: every output equals" in out
+
+
+def test_engine_demo_and_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--requests", "12"]) == 0
+    assert "12/12 outputs identical" in capsys.readouterr().out
+    path = tmp_path / "engine.json"
+    assert main(["bench", "engine", "--requests", "12", "--repeats", "1", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert result["same_outputs"] and result["prefill_tokens_skipped"] > 0
+    assert result["prefill_tokens_computed_off"] == result["prompt_tokens_off"]  # nothing reused without caching

@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -14,9 +15,11 @@ __all__ = ["main"]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="serve a shared-prefix workload through the manager and verify every page")
-    demo.add_argument("--requests", type=int, default=240)
+    demo = sub.add_parser("demo", help="serve shared-prefix requests with a small model; check against transformers")
+    demo.add_argument("--requests", type=int, default=48)
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--manager-only", action="store_true", help="the bookkeeping demo (no model)")
+    demo.add_argument("--model", help="a local transformers checkpoint directory (Llama, Qwen2, Qwen3)")
     bench = sub.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench", required=True)
     mgr = kinds.add_parser("manager", help="bookkeeping cost of PagedKVCacheManager on a shared-prefix chat trace")
@@ -31,6 +34,23 @@ def _parser() -> argparse.ArgumentParser:
     mgr.add_argument("--seed", type=int, default=0)
     mgr.add_argument("--repeats", type=int, default=3, help="replays; per-call figures are the best of them")
     mgr.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    att = kinds.add_parser("attention", help="paged decode attention vs contiguous SDPA (CPU; GPU rows with CUDA)")
+    att.add_argument("--batch", type=int, default=32)
+    att.add_argument("--context", type=int, default=2048)
+    att.add_argument("--repeats", type=int, default=10)
+    att.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    tri = kinds.add_parser("triton", help="Triton paged decode bandwidth vs a device copy (CUDA only)")
+    tri.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn"])
+    tri.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    fp8 = kinds.add_parser("fp8", help="logit error of bf16/FP8 caches against fp32 and bf16 (demo model)")
+    fp8.add_argument("--requests", type=int, default=16)
+    fp8.add_argument("--steps", type=int, default=16)
+    fp8.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    eng = kinds.add_parser("engine", help="prefill skipped and TTFT with prefix caching on vs off (demo workload)")
+    eng.add_argument("--requests", type=int, default=48)
+    eng.add_argument("--repeats", type=int, default=3)
+    eng.add_argument("--seed", type=int, default=0)
+    eng.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     return parser
 
 
@@ -40,7 +60,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from pagedkv.demo import run_demo
 
-        return run_demo(num_requests=args.requests, seed=args.seed)
+        return run_demo(args.requests, args.seed, manager_only=args.manager_only, model_path=args.model)
+    if args.bench == "attention":
+        from pagedkv.bench.attention_bench import format_attention_report, run_attention_bench
+
+        result = run_attention_bench(batch=args.batch, context=args.context, repeats=args.repeats)
+        return _report(format_attention_report(result), result, args.json)
+    if args.bench == "triton":
+        from pagedkv.bench.triton_bench import format_report as format_triton_report
+        from pagedkv.bench.triton_bench import run_triton_bench
+
+        try:
+            result = run_triton_bench(dtype=args.dtype)
+        except RuntimeError as exc:  # no CUDA GPU (or no usable kernel) here
+            print(f"pagedkv bench triton: {exc}", file=sys.stderr)
+            return 2
+        return _report(format_triton_report(result), result, args.json)
+    if args.bench == "fp8":
+        import torch
+
+        from pagedkv.bench.fp8_bench import format_fp8_report, run_fp8_bench
+
+        torch.set_num_threads(1)
+        result = run_fp8_bench(num_requests=args.requests, new_tokens=args.steps)
+        return _report(format_fp8_report(result), result, args.json)
+    if args.bench == "engine":
+        import torch
+
+        from pagedkv.bench.engine_bench import format_engine_report, run_engine_bench
+
+        torch.set_num_threads(1)  # the demo model is tiny: one thread is faster and steadier
+        result = run_engine_bench(num_requests=args.requests, repeats=args.repeats, seed=args.seed)
+        return _report(format_engine_report(result), result, args.json)
     from pagedkv.bench.manager_bench import format_report, print_progress, run_manager_bench
 
     result = run_manager_bench(
@@ -48,10 +99,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         decode_steps=args.decode_steps, max_batch_size=args.max_batch_size, budget_gib=args.budget_gib,
         pool_pages=args.pool_pages, seed=args.seed, repeats=args.repeats, progress=print_progress,
     )  # fmt: skip
-    print(format_report(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    return _report(format_report(result), result, args.json)
+
+
+def _report(text: str, result: dict[str, Any], path: Path | None) -> int:
+    print(text)
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
     return 0
 
 

@@ -1,0 +1,227 @@
+"""`LLMEngine`: continuous batching of a transformers causal LM over a `PagedKVCacheManager`.
+
+One step = schedule -> forward -> sample -> update -> commit -> release:
+
+    batch  = scheduler.schedule()                       # windows: decodes + prefill chunks
+    inputs = manager.runtime_inputs([ctxs])             # lookup table, cache lengths
+    logits = model(ids [1, T], position_ids [1, T], pagedkv=ForwardContext(...))
+    each request whose window reached its last token samples one token; ctx.update(...)
+    manager.step([ctxs]); finished requests are released
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedkv.core.context import TextContext
+from pagedkv.dtype import DType
+from pagedkv.engine.request import Request
+from pagedkv.engine.sampling import SamplingParams, sample
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.hf.attention import ATTENTION_NAME, ForwardContext, register
+from pagedkv.hf.config import kv_params_from_config
+from pagedkv.manager.paged import PagedKVCacheManager
+from pagedkv.params import KVCacheQuantizationConfig
+
+__all__ = ["LLMEngine", "EngineStats"]
+
+GREEDY = SamplingParams()
+
+
+@dataclass
+class EngineStats:
+    """Counters over the engine's life."""
+
+    steps: int = 0
+    generated_tokens: int = 0
+    forward_seconds: float = 0.0
+    wall_seconds: float = 0.0
+
+
+class LLMEngine:
+    """Serve token-id prompts with a transformers causal LM on pagedkv pages.
+
+    Args:
+        model: a causal LM whose attention implementation is ``"pagedkv"``.
+        manager: the page manager (one replica, one device).
+        max_num_batched_tokens: token budget per step (prefills are chunked to fit).
+        max_batch_size: most requests per step (defaults to the manager's).
+        record_logits: keep every generated token's logits [V] on its request (tests).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        manager: PagedKVCacheManager,
+        *,
+        max_num_batched_tokens: int = 256,
+        max_batch_size: int | None = None,
+        record_logits: bool = False,
+    ) -> None:
+        if manager.num_replicas != 1 or len(manager.params.devices) != 1:
+            raise ValueError("LLMEngine drives one replica on one device")
+        self.model = model
+        self.manager = manager
+        self.device = manager.params.devices[0].to_torch()
+        batch = max_batch_size or manager.max_batch_size
+        self.scheduler = Scheduler(manager, max_num_batched_tokens, min(batch, manager.max_batch_size))
+        self.record_logits = record_logits
+        self.stats = EngineStats()
+        self._next_id = 0
+
+    @classmethod
+    def from_hf(
+        cls,
+        model: torch.nn.Module,
+        *,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        memory_budget: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_batch_size: int = 32,
+        max_num_batched_tokens: int = 256,
+        kv_dtype: DType | None = None,
+        quantization: KVCacheQuantizationConfig | None = None,
+        record_logits: bool = False,
+    ) -> LLMEngine:
+        """An engine for a transformers causal LM (Llama, Qwen2, Qwen3), switched to pagedkv attention.
+
+        Give either `num_pages` or `memory_budget` (bytes for the KV pages).
+        The model is modified in place: its attention implementation becomes ``"pagedkv"``.
+        """
+        if (num_pages is None) == (memory_budget is None):
+            raise ValueError("give exactly one of num_pages or memory_budget")
+        param = next(model.parameters())
+        params = kv_params_from_config(
+            model.config, page_size=page_size, dtype=param.dtype, device=param.device,
+            enable_prefix_caching=enable_prefix_caching, kv_dtype=kv_dtype, quantization=quantization,
+        )  # fmt: skip
+        model.set_attn_implementation(register())  # type: ignore[operator]
+        if num_pages is not None:
+            manager = PagedKVCacheManager(params, num_pages, max_batch_size=max_batch_size)
+        else:
+            assert memory_budget is not None
+            manager = PagedKVCacheManager.from_memory_budget(params, memory_budget, max_batch_size=max_batch_size)
+        return cls(model, manager, max_num_batched_tokens=max_num_batched_tokens, record_logits=record_logits)
+
+    # ----------------------------------------------------------------- requests
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingParams = GREEDY,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> Request:
+        """Queue a prompt; returns its `Request` (filled in as the engine steps)."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+        rid = self._next_id
+        self._next_id += 1
+        generator = None
+        if not sampling.greedy and sampling.seed is not None:
+            generator = torch.Generator().manual_seed(sampling.seed + rid)
+        stops = self._default_stops() if stop_token_ids is None else stop_token_ids
+        ctx = TextContext(rid, np.asarray(prompt, dtype=np.int64))
+        request = Request(ctx, len(prompt), max_new_tokens, sampling, frozenset(stops), generator)
+        self.scheduler.add(request)
+        return request
+
+    def _default_stops(self) -> list[int]:
+        config = getattr(self.model, "generation_config", None)
+        eos = getattr(config, "eos_token_id", None)
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    def has_unfinished(self) -> bool:
+        """True while requests wait or run."""
+        return self.scheduler.has_unfinished()
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int = 16,
+        *,
+        sampling: SamplingParams = GREEDY,
+        stop_token_ids: Sequence[int] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[list[int]]:
+        """Generate for every prompt (greedy unless `sampling` says otherwise); outputs in prompt order.
+
+        Outputs stop after `max_new_tokens` or at a stop token (the model's
+        EOS by default), which is included, as in transformers' `generate`.
+        """
+        requests = [self.add_request(p, max_new_tokens, sampling, stop_token_ids) for p in prompts]
+        self.run(progress=progress)
+        return [r.output for r in requests]
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Step until every queued request has finished."""
+        start, done, total = time.perf_counter(), 0, len(self.scheduler.waiting) + len(self.scheduler.running)
+        while self.has_unfinished():
+            done += len(self.step())
+            if progress:
+                progress(done, total)
+        self.stats.wall_seconds += time.perf_counter() - start
+
+    # ----------------------------------------------------------------- one step
+    def step(self) -> list[Request]:
+        """Run one forward pass; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            raise RuntimeError("nothing could be scheduled although requests are waiting")
+        logits = self._forward(batch)  # [B, V]: logits of each request's last window token
+        finished = []
+        for i, request in enumerate(batch):
+            ctx = request.ctx
+            if ctx.tokens.is_chunked:  # mid-prompt chunk: no token yet
+                ctx.update(0)
+                continue
+            token = sample(logits[i].float(), request.sampling, request.generator)
+            if request.first_token_time is None:
+                request.first_token_time = time.perf_counter()
+            if self.record_logits:
+                request.logits.append(logits[i].float().cpu())
+            ctx.update(token)
+            self.stats.generated_tokens += 1
+            if request.finished:
+                finished.append(request)
+        self.manager.step([[r.ctx for r in batch]])
+        for request in finished:
+            self.scheduler.finish(request)
+        self.stats.steps += 1
+        return finished
+
+    def _forward(self, batch: list[Request]) -> torch.Tensor:
+        ctxs = [r.ctx for r in batch]
+        inputs = self.manager.runtime_inputs([ctxs]).inputs[0]
+        ids = np.concatenate([c.tokens.active for c in ctxs]).astype(np.int64)  # [T]
+        positions = np.concatenate([np.arange(c.tokens.processed_length, c.tokens.current_position) for c in ctxs])
+        offsets = np.zeros(len(ctxs) + 1, dtype=np.int64)  # [B + 1]
+        np.cumsum([c.tokens.active_length for c in ctxs], out=offsets[1:])
+        context = ForwardContext.build(inputs, torch.from_numpy(offsets), len(ids))
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=torch.from_numpy(ids).to(self.device)[None], use_cache=False,
+                position_ids=torch.from_numpy(positions).to(self.device)[None],
+                logits_to_keep=torch.from_numpy(offsets[1:] - 1).to(self.device), **{ATTENTION_NAME: context},
+            )  # fmt: skip
+        self.stats.forward_seconds += time.perf_counter() - t0
+        return out.logits[0]  # [B, V]
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """Engine and cache counters as a flat dict."""
+        metrics, sched = self.manager.get_metrics_aggregated(), self.scheduler
+        return {
+            "steps": self.stats.steps, "generated_tokens": self.stats.generated_tokens,
+            "prompt_tokens": sched.admitted_tokens, "prompt_tokens_cached": sched.cached_tokens,
+            "prefill_tokens_computed": sched.admitted_tokens - sched.cached_tokens,
+            "preemptions": sched.preemptions, "cache_hit_rate": metrics.cache_hit_rate,
+            "used_pages": metrics.used_pages, "total_pages": metrics.total_pages,
+        }  # fmt: skip

@@ -1,0 +1,113 @@
+"""`PagedMetadata`: the per-step index tensors every layer's `store_kv` and `paged_attention` share.
+
+A ragged batch packs the active tokens of B requests into one token axis of
+length T; ``input_row_offsets[b]:input_row_offsets[b + 1]`` are request b's
+tokens. Token i of request b sits at absolute position
+``cache_lengths[b] + i``, and its KV lives in page
+``lookup_table[b, pos // page_size]`` at slot ``pos % page_size``. Build the
+metadata once per step (it costs a few small tensor ops) and pass it to every
+layer; the max lengths come from the host-side `max_lengths` table, so
+building it never waits on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.runtime.inputs import RaggedKVCacheInputs
+
+__all__ = ["PagedMetadata"]
+
+
+@dataclass(frozen=True, eq=False)
+class PagedMetadata:
+    """Index tensors of one step's ragged batch (all on the cache's device, int64).
+
+    Attributes:
+        page_size: tokens per page.
+        input_row_offsets: [B + 1] start of each request's tokens on the token axis.
+        cache_lengths: [B] tokens already cached before this step.
+        lookup_table: [B, C] page ids, null-padded.
+        token_request: [T] request index of each token.
+        token_position: [T] absolute position of each token.
+        slot_page: [T] page each token's KV is written to.
+        slot_offset: [T] slot within that page.
+        kv_lengths: [B] keys visible to the request's last token (cache + new tokens).
+        max_q_len: longest active window (host int).
+        max_kv_len: longest kv_lengths (host int).
+    """
+
+    page_size: int
+    input_row_offsets: torch.Tensor
+    cache_lengths: torch.Tensor
+    lookup_table: torch.Tensor
+    token_request: torch.Tensor
+    token_position: torch.Tensor
+    slot_page: torch.Tensor
+    slot_offset: torch.Tensor
+    kv_lengths: torch.Tensor
+    max_q_len: int
+    max_kv_len: int
+
+    @property
+    def num_requests(self) -> int:
+        """B."""
+        return self.cache_lengths.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """T."""
+        return self.token_request.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        inputs: RaggedKVCacheInputs,
+        input_row_offsets: torch.Tensor,
+        num_tokens: int | None = None,
+        step: int = 0,
+    ) -> PagedMetadata:
+        """Metadata for `inputs` and the batch's `input_row_offsets` (int [B + 1], starting at 0).
+
+        `num_tokens` (T, known on the host) lets a CUDA caller avoid a device
+        sync; on CPU it is read from the offsets. `step` picks the row of a
+        multistep `max_lengths` table (after `increment_cache_lengths`, row 0
+        is again the current step). Raises ValueError when the offsets do not
+        match the batch size.
+        """
+        device = inputs.cache_lengths.device
+        page_size = inputs.blocks.shape[3]
+        lengths = inputs.cache_lengths.to(torch.int64)  # [B]
+        offsets = input_row_offsets.to(device=device, dtype=torch.int64)  # [B + 1]
+        if offsets.dim() != 1 or offsets.shape[0] != lengths.shape[0] + 1:
+            raise ValueError(
+                f"input_row_offsets has shape {tuple(offsets.shape)}; a batch of {lengths.shape[0]} needs "
+                f"[{lengths.shape[0] + 1}]"
+            )
+        q_lens = offsets[1:] - offsets[:-1]  # [B]
+        max_q, max_kv = (int(v) for v in inputs.max_lengths[step].tolist())  # host table: no device sync
+        if num_tokens is None and offsets.device.type == "cpu":
+            num_tokens = int(offsets[-1])
+        token_request = torch.repeat_interleave(
+            torch.arange(lengths.shape[0], device=device), q_lens, output_size=num_tokens
+        )  # [T]
+        token_position = lengths[token_request] + (
+            torch.arange(token_request.shape[0], device=device) - offsets[:-1][token_request]
+        )  # [T]
+        lut = inputs.lookup_table.to(torch.int64)  # [B, C]
+        slot_page = lut[token_request, token_position // page_size]  # [T]
+        return cls(
+            page_size=page_size,
+            input_row_offsets=offsets,
+            cache_lengths=lengths,
+            lookup_table=lut,
+            token_request=token_request,
+            token_position=token_position,
+            slot_page=slot_page,
+            slot_offset=token_position % page_size,
+            kv_lengths=lengths + q_lens,
+            max_q_len=max_q,
+            max_kv_len=max_kv,
+        )

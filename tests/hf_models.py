@@ -1,0 +1,42 @@
+"""Tiny transformers models built from configs with seeded random weights (no hub access)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+COMMON = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, pad_token_id=0,
+    bos_token_id=None, eos_token_id=None,
+)  # fmt: skip
+
+
+def build(arch: str, seed: int = 0, attn_implementation: str = "eager", dtype: torch.dtype = torch.float32) -> Any:
+    """A 2-layer fp32 model of `arch` (llama, qwen2, qwen3); GQA 4:2; eos disabled."""
+    import transformers as tf
+
+    config_cls, model_cls, extra = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"head_dim": 16}),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": 8}),
+    }[arch]
+    config = config_cls(**COMMON, **extra)
+    torch.manual_seed(seed)
+    model = model_cls._from_config(copy.deepcopy(config), attn_implementation=attn_implementation, dtype=dtype)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' own greedy generate(): (tokens, per-step logits [V])."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    return out.sequences[0, len(prompt) :].tolist(), [step[0].float() for step in out.logits]
