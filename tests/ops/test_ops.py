@@ -23,7 +23,7 @@ from helpers import ctx
 from pagedkv import ops
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.ops import torch_ops
+from pagedkv.ops import torch_decode, torch_ops, torch_padded
 from pagedkv.ops.metadata import PagedMetadata
 from pagedkv.ops.reference import paged_attention_reference, store_kv_reference
 from pagedkv.params import KVCacheParams, KVCacheQuantizationConfig
@@ -114,13 +114,21 @@ def attention(step: Step, backend: str, **kwargs: Any) -> torch.Tensor:
         return ops.paged_attention(step.query, step.inputs, step.offsets, LAYER, **kwargs)
 
 
-TORCH_PATHS = {  # torch_ops knobs that force each code path on these small batches
+TORCH_PATHS = {  # torch_ops knobs ("module.attr") that force each code path on these small batches
     "default": {},
-    "decode loop": {"_LOOP_MIN_KEYS": 1},
-    "decode loop, one page per chunk": {"_LOOP_MIN_KEYS": 1, "_CHUNK_KV_BYTES": 1},
-    "decode loop, explicit chunks": {"_LOOP_MIN_KEYS": 1, "_CHUNK_KV_BYTES": 1, "_FLASH": None},
-    "padded, one request and query row per block": {"_CHUNK_BYTES": 1, "_LOOP_MIN_KEYS": 10**9},
+    "decode loop": {"torch_ops._LOOP_MIN_KEYS": 1},
+    "decode loop, one page per chunk": {"torch_ops._LOOP_MIN_KEYS": 1, "torch_decode._CHUNK_KV_BYTES": 1},
+    "decode loop, explicit chunks": {
+        "torch_ops._LOOP_MIN_KEYS": 1,
+        "torch_decode._CHUNK_KV_BYTES": 1,
+        "torch_decode._FLASH": None,
+    },  # fmt: skip
+    "padded, one request and query row per block": {
+        "torch_padded._CHUNK_BYTES": 1,
+        "torch_ops._LOOP_MIN_KEYS": 10**9,
+    },  # fmt: skip
 }
+KNOB_MODULES = {"torch_ops": torch_ops, "torch_decode": torch_decode, "torch_padded": torch_padded}
 
 
 def torch_outputs(step: Step, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> dict[str, torch.Tensor]:
@@ -129,8 +137,9 @@ def torch_outputs(step: Step, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) ->
     decode_loop = torch_ops._decode_loop
     for name, knobs in TORCH_PATHS.items():
         with monkeypatch.context() as m:
-            for attr, value in knobs.items():
-                m.setattr(torch_ops, attr, value)
+            for knob, value in knobs.items():
+                module, attr = knob.split(".")
+                m.setattr(KNOB_MODULES[module], attr, value)
             m.setattr(torch_ops, "_decode_loop", lambda *args, name=name: looped.append(name) or decode_loop(*args))
             outs[name] = attention(step, "torch", **kwargs)
     assert looped == ([n for n in TORCH_PATHS if n.startswith("decode loop")] if step.decode else [])

@@ -8,6 +8,11 @@ tokens. Token i of request b sits at absolute position
 metadata once per step (it costs a few small tensor ops) and pass it to every
 layer; the max lengths come from the host-side `max_lengths` table, so
 building it never waits on the device.
+
+Cross-attention steps (``causal=False``) store no keys: every query token of
+request b attends the ``cache_lengths[b]`` keys already cached, so
+``kv_lengths = cache_lengths`` and the tokens own no slot (`store_kv` refuses
+such metadata).
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ class PagedMetadata:
         lookup_table: [B, C] page ids, null-padded.
         token_request: [T] request index of each token.
         token_position: [T] absolute position of each token.
-        slot_page: [T] page each token's KV is written to.
+        slot_page: [T] page each token's KV is written to (the null page when not causal).
         slot_offset: [T] slot within that page.
-        kv_lengths: [B] keys visible to the request's last token (cache + new tokens).
+        kv_lengths: [B] keys visible to the request's last token (cache + new tokens; the cache when
+            not causal).
         max_q_len: longest active window (host int).
-        max_kv_len: longest kv_lengths (host int).
+        max_kv_len: longest kv_lengths (host int; an upper bound when not causal).
+        causal: False for a cross-attention step (see module docstring).
     """
 
     page_size: int
@@ -50,6 +57,7 @@ class PagedMetadata:
     kv_lengths: torch.Tensor
     max_q_len: int
     max_kv_len: int
+    causal: bool = True
 
     @property
     def num_requests(self) -> int:
@@ -68,13 +76,16 @@ class PagedMetadata:
         input_row_offsets: torch.Tensor,
         num_tokens: int | None = None,
         step: int = 0,
+        *,
+        causal: bool = True,
     ) -> PagedMetadata:
         """Metadata for `inputs` and the batch's `input_row_offsets` (int [B + 1], starting at 0).
 
         `num_tokens` (T, known on the host) lets a CUDA caller avoid a device
         sync; on CPU it is read from the offsets. `step` picks the row of a
         multistep `max_lengths` table (after `increment_cache_lengths`, row 0
-        is again the current step). Raises ValueError when the offsets do not
+        is again the current step). ``causal=False`` builds a cross-attention
+        step (see module docstring). Raises ValueError when the offsets do not
         match the batch size.
         """
         device = inputs.cache_lengths.device
@@ -97,7 +108,10 @@ class PagedMetadata:
             torch.arange(token_request.shape[0], device=device) - offsets[:-1][token_request]
         )  # [T]
         lut = inputs.lookup_table.to(torch.int64)  # [B, C]
-        slot_page = lut[token_request, token_position // page_size]  # [T]
+        if causal:
+            slot_page = lut[token_request, token_position // page_size]  # [T]
+        else:  # no new keys: positions past the cache may lie past the table
+            slot_page = torch.full_like(token_position, inputs.blocks.shape[0] - 1)  # [T] the null page
         return cls(
             page_size=page_size,
             input_row_offsets=offsets,
@@ -107,7 +121,8 @@ class PagedMetadata:
             token_position=token_position,
             slot_page=slot_page,
             slot_offset=token_position % page_size,
-            kv_lengths=lengths + q_lens,
+            kv_lengths=lengths + q_lens if causal else lengths,
             max_q_len=max_q,
             max_kv_len=max_kv,
+            causal=causal,
         )

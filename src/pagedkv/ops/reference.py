@@ -14,6 +14,7 @@ import math
 import torch
 
 from pagedkv.ops.fp8 import dequantize_reference, quantize_reference
+from pagedkv.ops.masks import AttentionOptions
 
 __all__ = ["store_kv_reference", "paged_attention_reference", "read_kv_reference"]
 
@@ -84,33 +85,66 @@ def paged_attention_reference(
     scale: float | None = None,
     softcap: float | None = None,
     kv_scales: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    chunk_size: int | None = None,
+    sink_tokens: int = 0,
+    sinks: torch.Tensor | None = None,
+    v_head_dim: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Causal attention of each query token over its request's cached and new keys.
+    """Attention of each query token over the keys its mask lets it see (`pagedkv.ops.masks`).
 
     Token i of request b (position p = cache_lengths[b] + i) attends positions
-    0..p. Query head h reads KV head ``h // (H_q // H_kv)`` (GQA). Logits are
-    ``q.k * scale`` (default 1/sqrt(D)), then ``softcap * tanh(logits / softcap)``
-    if `softcap` is set. Computed in float32; returns [T, H_q, D] in query's dtype.
+    0..p, restricted by `sliding_window` / `chunk_size` (plus the first
+    `sink_tokens`), or, when not `causal`, exactly the cached positions
+    0..cache_lengths[b] - 1. Query head h reads KV head ``h // (H_q // H_kv)``
+    (GQA). Logits are ``q.k * scale`` (default 1/sqrt(D)), then ``softcap *
+    tanh(logits / softcap)`` if `softcap` is set; learned `sinks` [H_q] join
+    the softmax as one more logit whose probability is dropped. Values are the
+    first `v_head_dim` (default D) elements of the V slot. Only visible keys
+    enter the sums, so whatever other slots hold (NaN included) never matters;
+    a query that sees no key gets zeros. Computed in float32; returns
+    [T, H_q, Dv] in query's dtype.
     """
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_blocks.shape[4]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    AttentionOptions(sliding_window, chunk_size, sink_tokens, sinks, v_head_dim, causal).check(num_q_heads, head_dim)
     group = num_q_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    v_dim = head_dim if v_head_dim is None else v_head_dim
+    out = torch.zeros((query.shape[0], num_q_heads, v_dim), dtype=torch.float32, device=query.device)
     for b in range(cache_lengths.shape[0]):
         start, end = int(input_row_offsets[b]), int(input_row_offsets[b + 1])
-        total = int(cache_lengths[b]) + end - start
+        cached = int(cache_lengths[b])
+        total = cached + end - start if causal else cached
         keys = read_kv_reference(kv_blocks, lookup_table[b], total, 0, layer, kv_scales)  # [S, H_kv, D]
         values = read_kv_reference(kv_blocks, lookup_table[b], total, kv_blocks.shape[1] - 1, layer, kv_scales)
         for i in range(end - start):
-            visible = int(cache_lengths[b]) + i + 1
+            q_pos = cached + i
+            visible = [k for k in range(total) if not causal or _visible(k, q_pos, sliding_window, chunk_size,
+                                                                         sink_tokens)]  # fmt: skip
+            index = torch.tensor(visible, dtype=torch.int64)
             for h in range(num_q_heads):
                 q = query[start + i, h].float()  # [D]
-                logits = keys[:visible, h // group] @ q * scale  # [visible]
+                logits = keys[index, h // group] @ q * scale  # [visible]
                 if softcap is not None:
                     logits = softcap * torch.tanh(logits / softcap)
-                weights = torch.softmax(logits, dim=0)  # [visible]
-                out[start + i, h] = weights @ values[:visible, h // group]  # [D]
+                if sinks is None:
+                    weights = torch.softmax(logits, dim=0)  # [visible]
+                else:
+                    combined = torch.cat([logits, sinks[h : h + 1].float().to(logits.device)])  # [visible + 1]
+                    weights = torch.softmax(combined - combined.max(), dim=0)[:-1]  # the sink's mass is dropped
+                out[start + i, h] = weights @ values[index, h // group, :v_dim]  # [Dv]
     return out.to(query.dtype)
+
+
+def _visible(k: int, q: int, window: int | None, chunk: int | None, sink_tokens: int) -> bool:
+    """Causal visibility of key position k to query position q (transformers' mask overlays)."""
+    if k > q:
+        return False
+    if k < sink_tokens:
+        return True
+    return (window is None or k > q - window) and (chunk is None or k // chunk == q // chunk)

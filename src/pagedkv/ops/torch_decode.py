@@ -1,0 +1,120 @@
+"""CPU decode path of `torch_ops.paged_attention`: one query token per request, a loop over tokens.
+
+Each token gathers only the keys its mask lets it see (`AttentionOptions.key_ranges`:
+the sink tokens, then the window or chunk, or everything up to itself), a few MiB
+of pages at a time, into a buffer reused for the whole call with one
+`index_select` (the copy is still in cache when it is read). SDPA's flash kernel
+attends each chunk with the GQA group folded into the query axis (``[H_kv, group,
+D]``, much faster on CPU than ``enable_gqa=True``); chunks are merged by their
+logsumexp, and learned sinks join the merge as one more chunk with zero output.
+So a token's cost scales with what it sees, and pages outside its ranges (the null
+page of a windowed cache's freed pages included) are never read. Values always run
+at the full head_dim (MLA: the whole latent slot) and `v_head_dim` slices the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pagedkv.ops.masks import AttentionOptions
+from pagedkv.ops.metadata import PagedMetadata
+from pagedkv.ops.torch_store import dequantize
+
+__all__ = ["decode_loop"]
+
+_CHUNK_KV_BYTES = 8 * 2**20  # K + V gathered per chunk, merged by logsumexp
+# SDPA's CPU flash kernel, which also returns the logsumexp that merging chunks needs (None: explicit path).
+_FLASH: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None
+)
+
+
+def _compute_dtype(query: torch.Tensor, kv_blocks: torch.Tensor, softcap: float | None) -> torch.dtype:
+    """SDPA runs in the cache dtype when query and cache agree; explicit paths and FP8 use float32."""
+    same = query.dtype == kv_blocks.dtype and kv_blocks.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return kv_blocks.dtype if same and softcap is None else torch.float32
+
+
+def _token_ranges(meta: PagedMetadata, options: AttentionOptions) -> list[list[tuple[int, int]]]:
+    """Per token, its non-empty visible key ranges ``[start, end)`` (host ints)."""
+    kv_len = meta.kv_lengths[meta.token_request]  # [T]
+    sink_end, lo, hi = (x.tolist() for x in options.key_ranges(meta.token_position, kv_len))
+    return [[(s, e) for s, e in ((0, se), (a, b)) if e > s] for se, a, b in zip(sink_end, lo, hi, strict=True)]
+
+
+def decode_loop(
+    query: torch.Tensor,
+    kv_blocks: torch.Tensor,
+    meta: PagedMetadata,
+    layer: int,
+    scale: float,
+    softcap: float | None,
+    kv_scales: torch.Tensor | None,
+    options: AttentionOptions,
+) -> torch.Tensor:
+    """Attention of each token of query [T, H_q, D] over its visible keys; returns [T, H_q, Dv] in query's dtype."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    kv_dim, num_layers, page_size, num_kv_heads = kv_blocks.shape[1:5]
+    dtype = _compute_dtype(query, kv_blocks, softcap)
+    q = query.to(dtype).reshape(num_tokens, num_kv_heads, -1, head_dim)  # [T, H_kv, g, D]
+    v_dim = options.v_head_dim or head_dim
+    out = torch.zeros((*q.shape[:3], v_dim), dtype=query.dtype)  # [T, H_kv, g, Dv]; no visible key: zeros
+    sinks = options.sink_logits(query.device)
+    sink_lse = None if sinks is None else sinks.view(num_kv_heads, -1)  # [H_kv, g]
+    ranges = _token_ranges(meta, options)
+    requests = meta.token_request.tolist()
+    spans = [-(-e // page_size) - s // page_size for token in ranges for s, e in token]
+    itemsize = max(kv_blocks.element_size(), dtype.itemsize)  # FP8 pages are read as float32
+    page_bytes = kv_dim * page_size * num_kv_heads * head_dim * itemsize
+    chunk = min(max(1, _CHUNK_KV_BYTES // page_bytes), max(spans, default=1))  # pages per chunk
+    rows = kv_blocks.view(-1, page_size * num_kv_heads * head_dim)  # [(P + 1) * kv_dim * L, page]
+    k_rows = meta.lookup_table * (kv_dim * num_layers) + layer  # [B, C]: row of each page's K; V is `L` further
+    buf = rows.new_empty((kv_dim * chunk, rows.shape[1]))  # [kv_dim * chunk, page]
+    s_rows = s_buf = None
+    if kv_scales is not None:
+        s_rows = kv_scales.view(-1, page_size * num_kv_heads * kv_scales.shape[-1])  # like `rows`
+        s_buf = s_rows.new_empty((kv_dim * chunk, s_rows.shape[1]))
+    for t in range(num_tokens):
+        q_t, parts = q[t : t + 1], []  # q_t [1, H_kv, g, D]
+        for start, end in ranges[t]:
+            first = start // page_size
+            pages = k_rows[requests[t], first : -(-end // page_size)]  # [n]
+            for c0 in range(0, pages.shape[0], chunk):
+                ids = pages[c0 : c0 + chunk]  # [m]
+                ids = ids if kv_dim == 1 else torch.cat((ids, ids + num_layers))  # [kv_dim * m]: K rows, then V rows
+                x = torch.index_select(rows, 0, ids, out=buf[: ids.shape[0]])  # [kv_dim * m, page]
+                x = x.view(kv_dim, -1, num_kv_heads, head_dim)  # [kv_dim, m * page_size, H_kv, D]
+                if s_rows is not None and s_buf is not None:
+                    s = torch.index_select(s_rows, 0, ids, out=s_buf[: ids.shape[0]])  # [kv_dim * m, page of scales]
+                    x = dequantize(x, s.view(kv_dim, x.shape[1], num_kv_heads, -1))  # float32
+                base = (first + c0) * page_size  # position of x[:, 0]
+                x = x[:, max(start - base, 0) : end - base].to(dtype)  # [kv_dim, S_c, H_kv, D]
+                parts.append(_attend_chunk(q_t, x[0], x[-1], scale, softcap))
+        if parts and sink_lse is not None:
+            parts.append((torch.zeros(parts[0][0].shape), sink_lse))  # the sink: probability mass, no value
+        if parts:
+            out[t] = (parts[0][0] if len(parts) == 1 else _merge(parts))[..., :v_dim]
+    return out.view(num_tokens, num_q_heads, v_dim)
+
+
+def _attend_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [1, H_kv, g, D] over every key of k, v [S, H_kv, D]: (output [H_kv, g, D], float32 logsumexp [H_kv, g])."""
+    if softcap is None and _FLASH is not None:
+        o, lse = _FLASH(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scale)  # [1, H_kv, g, D]
+        return o[0], lse[0]
+    logits = torch.matmul(q[0].float(), k.float().permute(1, 2, 0)) * scale  # [H_kv, g, S]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    o = torch.matmul(torch.softmax(logits, dim=-1), v.float().transpose(0, 1))  # [H_kv, g, D]
+    return o, torch.logsumexp(logits, dim=-1)
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Combine chunk outputs [H_kv, g, D] by their logsumexps [H_kv, g] (float32)."""
+    weights = torch.softmax(torch.stack([lse.float() for _, lse in parts]), dim=0)  # [C, H_kv, g]
+    outs = torch.stack([o.float() for o, _ in parts])  # [C, H_kv, g, D]
+    return (outs * weights.unsqueeze(-1)).sum(dim=0)  # [H_kv, g, D]

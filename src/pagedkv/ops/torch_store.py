@@ -1,0 +1,85 @@
+"""Vectorised page I/O: FP8 quantization, `store_kv`, and reading pages back (re-exported by `torch_ops`).
+
+Shapes: ``kv_blocks [P + 1, kv_dim, L, page_size, H_kv, D]`` (kv 0 = K, kv
+``kv_dim - 1`` = V, so MLA's single slot serves both); ``kv_scales
+[P + 1, kv_dim, L, page_size, H_kv, G]`` for FP8 pages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.ops.fp8 import fp8_max, fp8_scales
+from pagedkv.ops.metadata import PagedMetadata
+
+__all__ = ["store_kv", "quantize", "dequantize", "read_pages"]
+
+
+def quantize(
+    x: torch.Tensor, num_groups: int, dtype: torch.dtype, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize x [..., H, D] per (row, head, group): returns (`dtype` [..., H, D], `scale_dtype` [..., H, G]).
+
+    Bit-identical to `fp8.quantize_reference` applied row by row (same
+    `fp8_scales`, same division, clamp and rounding).
+    """
+    dim = x.shape[-1]
+    groups = x.float().unflatten(-1, (num_groups, dim // num_groups))  # [..., H, G, D/G]
+    scale = fp8_scales(groups.abs().amax(dim=-1), dtype, scale_dtype)  # [..., H, G]
+    limit = fp8_max(dtype)
+    q = (groups / scale.unsqueeze(-1)).clamp(-limit, limit).to(dtype)  # [..., H, G, D/G]
+    return q.flatten(-2), scale.to(scale_dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 q [..., H, D] times its per-group scale [..., H, G] (as `fp8.dequantize_reference`)."""
+    groups = scale.shape[-1]
+    x = q.float().unflatten(-1, (groups, q.shape[-1] // groups)) * scale.float().unsqueeze(-1)  # [..., H, G, D/G]
+    return x.flatten(-2)
+
+
+def store_kv(
+    kv_blocks: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    meta: PagedMetadata,
+    layer: int,
+    kv_scales: torch.Tensor | None,
+) -> None:
+    """Write K [T, H_kv, D] (and V, None for MLA) of `layer` into slot ``meta.slot_offset`` of ``meta.slot_page``.
+
+    FP8 caches (`kv_scales` [P + 1, kv_dim, L, page_size, H_kv, G]) store each
+    (token, head, group) quantized with its own scale, bit-identical to the
+    reference. Raises ValueError on a shape mismatch or cross-attention
+    (``causal=False``) metadata, whose tokens own no slots.
+    """
+    if not meta.causal:
+        raise ValueError("store_kv needs causal metadata: causal=False (cross-attention) steps store no keys")
+    tensors = (key,) if value is None else (key, value)
+    if len(tensors) > kv_blocks.shape[1]:
+        raise ValueError(f"value given for a cache with kv_dim={kv_blocks.shape[1]} (MLA stores K only)")
+    for x in tensors:
+        if tuple(x.shape) != (meta.num_tokens, *kv_blocks.shape[4:]):
+            raise ValueError(
+                f"K/V shape {tuple(x.shape)} != [T={meta.num_tokens}, H_kv, D]={tuple(kv_blocks.shape[4:])}"
+            )
+    page, slot = meta.slot_page, meta.slot_offset  # [T], [T]
+    for kv, x in enumerate(tensors):
+        if kv_scales is None:
+            kv_blocks[page, kv, layer, slot] = x.to(kv_blocks.dtype)  # [T, H_kv, D]
+            continue
+        q, s = quantize(x, kv_scales.shape[-1], kv_blocks.dtype, kv_scales.dtype)  # [T, H, D], [T, H, G]
+        # index_put has no float8_e8m0fnu kernel: write raw bytes (both dtypes are one byte wide)
+        kv_blocks.view(torch.uint8)[page, kv, layer, slot] = q.view(torch.uint8)
+        kv_scales.view(torch.uint8)[page, kv, layer, slot] = s.view(torch.uint8)
+
+
+def read_pages(
+    kv_blocks: torch.Tensor, pages: torch.Tensor, kv: int, layer: int, kv_scales: torch.Tensor | None, num_keys: int
+) -> torch.Tensor:
+    """K (kv=0) or V of `pages` [..., n] as [..., num_keys, H, D]; FP8 is dequantized to float32."""
+    x = kv_blocks[:, kv, layer][pages].flatten(-4, -3)[..., :num_keys, :, :]  # [..., S, H, D]
+    if kv_scales is None:
+        return x
+    s = kv_scales[:, kv, layer][pages].flatten(-4, -3)[..., :num_keys, :, :]  # [..., S, H, G]
+    return dequantize(x, s)
