@@ -29,10 +29,7 @@ def ctx(request_id: Any, tokens: Any, **kwargs: Any) -> TextContext:
 def snapshot(bm: BlockManager, *contexts: TextContext) -> dict[str, Any]:
     """Everything observable about a BlockManager (and contexts), for no-trace assertions."""
     pool = bm.pool
-    reqs = {
-        rid: (st.pages[: st.num_pages].tolist(), st.committed, list(st.hashes), st.digest, st.dummy)
-        for rid, st in bm._reqs.items()
-    }
+    reqs = {rid: _request_state(st) for rid, st in bm._reqs.items()}
     ctx_state = [
         (c.tokens.processed_length, c.tokens.current_position, len(c.tokens), c.cached_prefix_length) for c in contexts
     ]
@@ -40,11 +37,20 @@ def snapshot(bm: BlockManager, *contexts: TextContext) -> dict[str, Any]:
         "free_order": pool.free_order(),
         "refs": list(pool._ref),
         "hashes": list(pool._hash),
-        "cache": dict(pool._cache),
+        "caches": [dict(c) for c in pool._caches],
+        "groups": bytes(pool._group),
         "reqs": reqs,
         "metrics": bm.metrics,
         "contexts": ctx_state,
     }
+
+
+def _request_state(st: Any) -> tuple[Any, ...]:
+    """Every field of a BlockManager / KVCacheCoordinator request state, arrays as lists."""
+    if hasattr(st, "tables"):  # a hybrid request: one table per group
+        tables = [t.pages[: t.num_pages].tolist() for t in st.tables]
+        return (tables, list(st.dropped), st.committed, list(st.hashes), st.digest, st.dummy, st.ready, st.next_drop)
+    return (st.pages[: st.num_pages].tolist(), st.committed, list(st.hashes), st.digest, st.dummy)
 
 
 def drive(bm: BlockManager, c: TextContext, tokens: list[int]) -> None:

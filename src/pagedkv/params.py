@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.dtype import DeviceRef, DType
-from pagedkv.symbols import KVCacheInputSymbols, RaggedKVCacheInputSymbols, TensorSpec
+from pagedkv.params_checks import normalize_hash_seed, validate_attention_kind
+from pagedkv.symbols import KVCacheInputSymbols, ragged_symbols
 from pagedkv.validation import check_int
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -70,22 +71,6 @@ def split_into_groups(items: Sequence[Any], n: int) -> list[list[Any]]:
     return [list(items[i * size : (i + 1) * size]) for i in range(n)]
 
 
-def normalize_hash_seed(seed: bytes | str | None) -> bytes | None:
-    """A 32-byte seed from bytes or 64 hex characters; None stays None."""
-    if seed is None:
-        return None
-    if isinstance(seed, str):
-        try:
-            seed = bytes.fromhex(seed)
-        except ValueError:
-            raise ValueError(f"kv_hash_seed={seed!r} is not hex") from None
-    if not isinstance(seed, bytes | bytearray):
-        raise TypeError(f"kv_hash_seed={seed!r} must be bytes, a hex str or None")
-    if len(seed) != 32:
-        raise ValueError(f"kv_hash_seed has {len(seed)} bytes; it must have exactly 32")
-    return bytes(seed)
-
-
 @dataclass(frozen=True)
 class KVCacheParams:
     """Configuration of one KV cache (MAX's `KVCacheParams`, seed 000).
@@ -113,6 +98,10 @@ class KVCacheParams:
     num_eagle_speculative_tokens: int = 0
     kv_hash_algo: str = "sha256"
     kv_hash_seed: bytes | None = field(default=None, repr=False)
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    sink_tokens: int = 0
+    is_cross_attention: bool = False
 
     def __post_init__(self) -> None:
         self._validate_scalars()
@@ -123,6 +112,7 @@ class KVCacheParams:
         self._validate_parallelism(len(devices))
         self._validate_connector()
         self._validate_quantization()
+        validate_attention_kind(self)
         if self.kv_hash_algo not in HASH_ALGOS:
             raise ValueError(f"kv_hash_algo={self.kv_hash_algo!r} must be one of {HASH_ALGOS}")
         object.__setattr__(self, "kv_hash_seed", normalize_hash_seed(self.kv_hash_seed))
@@ -219,6 +209,17 @@ class KVCacheParams:
         return split_into_groups(self.devices, self.data_parallel_degree)
 
     @property
+    def attention_kind(self) -> str:
+        """Which tokens this cache keeps: "full", "sliding", "chunked", "sink" (sinks + window) or "cross"."""
+        if self.is_cross_attention:
+            return "cross"
+        if self.attention_chunk_size is not None:
+            return "chunked"
+        if self.sliding_window is not None:
+            return "sink" if self.sink_tokens else "sliding"
+        return "full"
+
+    @property
     def kv_dim(self) -> int:
         """2 (K and V) for MHA, 1 (the latent) for MLA."""
         return 1 if self.is_mla else 2
@@ -300,28 +301,7 @@ class KVCacheParams:
 
     def get_symbolic_inputs(self, prefix: str = "") -> KVCacheInputSymbols:
         """Symbolic per-device inputs, replica-major, in the order of `runtime_inputs`."""
-        records: list[KVCacheInputSymbols] = []
-        for r, devices in enumerate(self.devices_per_replica):
-            batch, pages = f"replica_{r}_batch_size", f"replica_{r}_max_num_pages"
-            for s, device in enumerate(devices):
-                tag = f"{prefix}r{r}_s{s}_"
-                scales = None
-                if self.quantized_kv_cache:
-                    assert self.kvcache_quant_config is not None
-                    scale_shape: tuple[int | str, ...] = ("total_num_pages", *self.shape_per_scale_block)
-                    scales = TensorSpec(f"{tag}kv_scales", self.kvcache_quant_config.scale_dtype, scale_shape, device)
-                records.append(
-                    RaggedKVCacheInputSymbols(
-                        blocks=TensorSpec(
-                            f"{tag}kv_blocks", self.dtype, ("total_num_pages", *self.shape_per_block), device
-                        ),
-                        cache_lengths=TensorSpec(f"{tag}cache_lengths", DType.int32, (batch,), device),
-                        lookup_table=TensorSpec(f"{tag}lookup_table", DType.int32, (batch, pages), device),
-                        max_lengths=TensorSpec(f"{tag}max_lengths", DType.int32, ("num_steps", 2), DeviceRef.CPU()),
-                        kv_scales=scales,
-                    )
-                )
-        return KVCacheInputSymbols(records)
+        return ragged_symbols(self, prefix)
 
 
 _SHORTHAND = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.records import InputTree, RecordMixin, TreeMapMixin
@@ -21,6 +22,7 @@ __all__ = [
     "RaggedKVCacheInputSymbols",
     "PaddedKVCacheInputSymbols",
     "MultiKVCacheInputSymbols",
+    "ragged_symbols",
 ]
 
 Dim = int | str
@@ -71,3 +73,28 @@ class MultiKVCacheInputSymbols(TreeMapMixin, KVCacheInputSymbols):
 
     def __init__(self, children: Mapping[str, KVCacheInputSymbols]) -> None:
         super().__init__(self._init_children(children))
+
+
+def ragged_symbols(params: Any, prefix: str = "") -> KVCacheInputSymbols:
+    """The symbolic per-device inputs of a `KVCacheParams` (see `KVCacheParams.get_symbolic_inputs`)."""
+    records: list[KVCacheInputSymbols] = []
+    for r, devices in enumerate(params.devices_per_replica):
+        batch, pages = f"replica_{r}_batch_size", f"replica_{r}_max_num_pages"
+        for s, device in enumerate(devices):
+            tag = f"{prefix}r{r}_s{s}_"
+            scales = None
+            if params.quantized_kv_cache:
+                scale_shape: tuple[Dim, ...] = ("total_num_pages", *params.shape_per_scale_block)
+                scales = TensorSpec(f"{tag}kv_scales", params.kvcache_quant_config.scale_dtype, scale_shape, device)
+            records.append(
+                RaggedKVCacheInputSymbols(
+                    blocks=TensorSpec(
+                        f"{tag}kv_blocks", params.dtype, ("total_num_pages", *params.shape_per_block), device
+                    ),
+                    cache_lengths=TensorSpec(f"{tag}cache_lengths", DType.int32, (batch,), device),
+                    lookup_table=TensorSpec(f"{tag}lookup_table", DType.int32, (batch, pages), device),
+                    max_lengths=TensorSpec(f"{tag}max_lengths", DType.int32, ("num_steps", 2), DeviceRef.CPU()),
+                    kv_scales=scales,
+                )
+            )
+    return KVCacheInputSymbols(records)

@@ -16,8 +16,10 @@ import numpy as np
 import torch
 
 from pagedkv.core.context import TextContext
+from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.runtime.inputs import KVCacheInputs, RaggedKVCacheInputs
+from pagedkv.params import KVCacheParams
+from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs
 
 _MOD = (1 << 24) - 3  # values stay exact in float32
 
@@ -52,13 +54,23 @@ class PrefixStampModel:
         self._memo: dict[object, tuple[np.ndarray, np.ndarray]] = {}  # request id -> (tokens, their values)
 
     def forward(self, batches: Sequence[Sequence[TextContext]]) -> KVCacheInputs:
+        """Check every cached position each request can read, then write the active tokens' values."""
         inputs = self.manager.runtime_inputs(batches)
-        records = [r for r in inputs.inputs if isinstance(r, RaggedKVCacheInputs)]
-        per_replica = len(records) // self.manager.num_replicas
-        for i, record in enumerate(records):
-            replica = i // per_replica % self.manager.num_replicas
-            self._run_device(record, batches[replica], replica)
+        groups = list(inputs.children.values()) if isinstance(inputs, MultiKVCacheInputs) else [inputs]
+        for g, group in enumerate(groups):
+            records = [r for r in group.inputs if isinstance(r, RaggedKVCacheInputs)]
+            per_replica = len(records) // self.manager.num_replicas
+            for i, record in enumerate(records):
+                replica = i // per_replica
+                policy = self._policy(replica, g)
+                if policy is None or not policy.is_cross_attention:  # encoder pages: not written by decoder tokens
+                    self._run_device(record, batches[replica], replica, policy)
         return inputs
+
+    def _policy(self, replica: int, group: int) -> KVCacheParams | None:
+        """The cache's params, which say (independently of the managers) which keys a query sees."""
+        bm = self.manager._managers[replica]
+        return self.manager.params.leaves()[group] if isinstance(bm, KVCacheCoordinator) else None
 
     def _prefix_values(self, ctx: TextContext, end: int) -> np.ndarray:
         """prefix_values of the request's first `end` tokens, extending the last result when it still applies."""
@@ -73,7 +85,9 @@ class PrefixStampModel:
         self._memo[ctx.request_id] = (tokens.copy(), values)
         return values
 
-    def _run_device(self, record: RaggedKVCacheInputs, batch: Sequence[TextContext], replica: int) -> None:
+    def _run_device(
+        self, record: RaggedKVCacheInputs, batch: Sequence[TextContext], replica: int, policy: KVCacheParams | None
+    ) -> None:
         ps, blocks = self.page_size, record.blocks  # [pages+1, kv_dim, L, ps, H, D]
         pool = self.manager._managers[replica].pool
         for b, ctx in enumerate(batch):
@@ -84,13 +98,17 @@ class PrefixStampModel:
             lut = record.lookup_table[b].long()  # [cols]
             pos = torch.arange(end)  # [end]
             pages, slots = lut[pos // ps], pos % ps  # [end], [end]
-            assert not (pages == pool.null_block).any(), f"{ctx.request_id!r}: a live position maps to the null page"
-            got = blocks[pages[:cached], 0, :, slots[:cached]]  # [cached, L, H, D]
-            want = values[:cached].view(-1, 1, 1, 1).expand_as(got)
+            read = _readable(pos[:cached], cached, policy)  # [cached] bool: positions a query of this step can see
+            assert not (pages[:cached][read] == pool.null_block).any(), (
+                f"{ctx.request_id!r}: a readable position is null"
+            )
+            assert not (pages[cached:] == pool.null_block).any(), f"{ctx.request_id!r}: an active position is null"
+            got = blocks[pages[:cached][read], 0, :, slots[:cached][read]]  # [readable, L, H, D]
+            want = values[:cached][read].view(-1, 1, 1, 1).expand_as(got)
             bad = (got != want).nonzero()
-            assert bad.numel() == 0, f"{ctx.request_id!r}: position {int(bad[0, 0])} holds another prefix's KV"
+            assert bad.numel() == 0, f"{ctx.request_id!r}: a cached position holds another prefix's KV"
             if blocks.shape[1] == 2:
-                got_v = blocks[pages[:cached], 1, :, slots[:cached]]  # [cached, L, H, D]
+                got_v = blocks[pages[:cached][read], 1, :, slots[:cached][read]]  # [readable, L, H, D]
                 assert torch.equal(got_v, want + 1), f"{ctx.request_id!r}: V differs from K + 1"
             written = set(pages[cached:].tolist())
             shared = [p for p in written if pool.ref_count(p) != 1]
@@ -101,4 +119,18 @@ class PrefixStampModel:
                 blocks[pages[cached:], 1, :, slots[cached:]] = (
                     active.expand(-1, *blocks.shape[2:3], *blocks.shape[4:]) + 1
                 )
-            self.positions_checked += cached
+            self.positions_checked += int(read.sum())
+
+
+def _readable(positions: torch.Tensor, first_query: int, params: KVCacheParams | None) -> torch.Tensor:
+    """[n] bool: cached positions the step's first query (and so every later one) attends to.
+
+    From the attention semantics (transformers' masks), not from the managers:
+    window W: k > q - W; chunk C: k // C == q // C; sinks: also k < sink_tokens.
+    """
+    if params is None or params.attention_kind == "full":
+        return torch.ones_like(positions, dtype=torch.bool)
+    if params.attention_chunk_size is not None:
+        return positions // params.attention_chunk_size == first_query // params.attention_chunk_size
+    assert params.sliding_window is not None
+    return (positions > first_query - params.sliding_window) | (positions < params.sink_tokens)

@@ -50,8 +50,11 @@ def test_chunked_prefill_with_a_tiny_budget_gives_the_same_tokens() -> None:
 def test_errors() -> None:
     with pytest.raises(ValueError, match="give exactly one of num_pages or memory_budget"):
         LLMEngine.from_hf(build("llama"), num_pages=8, memory_budget=10**6)
-    with pytest.raises(ValueError, match="model_type='mistral' is not supported yet"):
-        LLMEngine.from_hf(build("mistral"), num_pages=8)
+    import transformers
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="model_type='gpt2' is not supported yet"):
+        LLMEngine.from_hf(gpt2, num_pages=8)
     eng = engine(num_pages=2)
     with pytest.raises(ValueError, match="max_new_tokens=0 must be at least 1"):
         eng.add_request([1, 2], 0)

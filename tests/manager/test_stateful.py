@@ -20,12 +20,27 @@ from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.dtype import DeviceRef
 from pagedkv.manager.paged import PagedKVCacheManager
+from pagedkv.multi_params import MultiKVCacheParams
+from pagedkv.params import KVCacheParams
 from pagedkv.testing import PrefixStampModel
 
 CPU = DeviceRef.CPU()
-CPU = DeviceRef.CPU()
 PREFIXES = [list(range(100, 117)), list(range(200, 205)), [7] * 9]
 EXAMPLES = int(os.environ.get("PAGEDKV_FUZZ_EXAMPLES", "60"))
+
+
+def layout_params(layout: str, **kwargs: object) -> KVCacheParams | MultiKVCacheParams:
+    """Cache layouts the machine runs: MHA, TP shards, replicated MLA, one sliding window, hybrid trees."""
+    base = dict(n_kv_heads=2, num_q_heads=4, num_layers=2, head_dim=2, **kwargs)
+    if layout in ("mha", "mha-tp2", "swa"):
+        return make_params(**base, devices=[CPU] * (2 if layout.endswith("tp2") else 1),
+                           sliding_window=5 if layout == "swa" else None)  # fmt: skip
+    if layout == "mla-tp2":
+        return make_params(**{**base, "n_kv_heads": 1}, devices=[CPU, CPU], is_mla=True)
+    devices = [CPU] * (2 if layout.endswith("tp2") else 1)
+    kinds = {"full": {}, "swa": {"sliding_window": 5}, "chunk": {"attention_chunk_size": 6},
+             "sink": {"sliding_window": 4, "sink_tokens": 3}}  # fmt: skip
+    return MultiKVCacheParams({name: make_params(**base, devices=devices, **extra) for name, extra in kinds.items()})
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -35,28 +50,24 @@ class ManagerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         spec=st.sampled_from([0, 0, 2]),
         algo=st.sampled_from(["sha256", "sha256_64", "xxh3_128"]),
-        layout=st.sampled_from(["mha", "mha-tp2", "mla-tp2"]),
+        layout=st.sampled_from(["mha", "mha-tp2", "mla-tp2", "swa", "hybrid", "hybrid-tp2"]),
     )
     def setup(self, page_size: int, num_pages: int, caching: bool, spec: int, algo: str, layout: str) -> None:
-        shape = {"mha": {}, "mha-tp2": {"devices": [CPU, CPU]}, "mla-tp2": {"devices": [CPU, CPU], "is_mla": True}}
-        params = make_params(
-            page_size=page_size, n_kv_heads=1 if layout.startswith("mla") else 2, num_q_heads=4, num_layers=2,
-            head_dim=2, enable_prefix_caching=caching, num_eagle_speculative_tokens=spec, kv_hash_algo=algo,
-            **shape[layout],
+        self.mgr = PagedKVCacheManager(
+            layout_params(layout, page_size=page_size, enable_prefix_caching=caching,
+                          num_eagle_speculative_tokens=spec, kv_hash_algo=algo),
+            num_pages, enable_runtime_checks=True, max_batch_size=64,
         )  # fmt: skip
-        self.mgr = PagedKVCacheManager(params, num_pages, enable_runtime_checks=True, max_batch_size=64)
         self.model = PrefixStampModel(self.mgr)
         self.bm = self.mgr._managers[0]
         self.live: dict[int, TextContext] = {}
+        self.allocated: set[int] = set()  # requests alloc'ed since their last update: they may run
         self.next_id = 0
         self.ops = 0
 
     def _ready(self) -> list[TextContext]:
-        """Requests holding pages for every token (they may run a forward pass)."""
-        ps, spec = self.mgr.page_size, self.mgr.params.num_eagle_speculative_tokens
-        return [
-            c for c in self.live.values() if len(self.mgr.get_req_blocks(c.request_id)) * ps >= len(c.tokens) + spec
-        ]
+        """Requests that hold pages for their active window (they may run a forward pass)."""
+        return [self.live[rid] for rid in sorted(self.allocated)]
 
     @rule(prefix=st.sampled_from(range(len(PREFIXES) + 1)), suffix=st.lists(st.integers(0, 5), max_size=12),
           salt=st.sampled_from([None, None, "t1"]))  # fmt: skip
@@ -74,10 +85,12 @@ class ManagerMachine(RuleBasedStateMachine):
         before = snapshot(self.bm, c)
         try:
             self.mgr.alloc(c)
+            self.allocated.add(c.request_id)
         except InsufficientBlocksError:
             assert snapshot(self.bm, c) == before, "a failed alloc changed state"
             if data.draw(st.booleans()):  # preempt: give the pages back and start over later
                 self.mgr.release(c.request_id)
+                self.allocated.discard(c.request_id)
                 c.reset()
                 self.mgr.claim(c.request_id)
         self.ops += 1
@@ -92,10 +105,27 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def forward(self, data: st.DataObject) -> None:
         ready = self._ready()
-        batch = data.draw(st.lists(st.sampled_from(ready), unique_by=lambda c: c.request_id)) if ready else []
+        batch = (
+            data.draw(st.lists(st.sampled_from(ready), min_size=1, unique_by=lambda c: c.request_id)) if ready else []
+        )
+        self._run(batch, data)
+
+    @rule(data=st.data())
+    def engine_step(self, data: st.DataObject) -> None:
+        """What an engine does each step: alloc every live request that fits, run them all, commit."""
+        for c in sorted(self.live.values(), key=lambda x: x.request_id):
+            try:
+                self.mgr.alloc(c)
+                self.allocated.add(c.request_id)
+            except InsufficientBlocksError:
+                pass
+        self._run(self._ready(), data)
+
+    def _run(self, batch: list[TextContext], data: st.DataObject) -> None:
         self.model.forward([batch])
         for c in batch:
             c.update(data.draw(st.integers(0, 5)))
+            self.allocated.discard(c.request_id)
         self.mgr.step([batch])
         self.ops += 1 + len(batch)
 
@@ -104,6 +134,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def release(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.live)))
         self.mgr.release(rid)
+        self.allocated.discard(rid)
         del self.live[rid]
 
     @rule()

@@ -49,8 +49,9 @@ class BlockManager:
         hash_algo: str = "sha256",
         hash_seed: bytes | None = None,
         num_speculative_tokens: int = 0,
+        num_groups: int = 1,
     ) -> None:
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, num_groups)
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_speculative_tokens = num_speculative_tokens

@@ -14,10 +14,15 @@ cached page is never evicted while a fresh one exists. Freed cached pages
 join the LRU tail; callers free a request's pages tail first, so the deepest
 pages of a prefix are evicted before its head.
 
-Storage is struct-of-arrays (24 bytes per page before any caching): int32
+Storage is struct-of-arrays (25 bytes per page before any caching): int32
 ref counts, int32 prev/next links of the LRU list (the sentinel is the null
-page id), an int32 fresh stack, and one slot per page for its hash. Building
-a pool of a million pages takes milliseconds.
+page id), an int32 fresh stack, one slot per page for its hash and one byte
+for the group that cached it. Building a pool of a million pages takes
+milliseconds.
+
+Hybrid models (several KV cache groups, e.g. sliding-window and full layers)
+share one pool: a page id belongs to one group at a time, and each group has
+its own prefix cache (the same prefix hash maps to a different page in each).
 """
 
 from __future__ import annotations
@@ -38,15 +43,18 @@ __all__ = ["BlockPool"]
 class BlockPool:
     """Page ids, ref counts and the hash -> page prefix cache of one replica."""
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True, num_groups: int = 1) -> None:
         check_int("num_blocks", num_blocks, 1)
+        check_int("num_groups", num_groups, 1)
         n = num_blocks
         self.num_blocks = n
         self.null_block = n
         self.enable_prefix_caching = enable_prefix_caching
         self._ref = array("i", [0]) * n
         self._hash: list[BlockHash | None] = [None] * n
-        self._cache: dict[BlockHash, int] = {}
+        self._group = bytearray(n)  # the group whose prefix cache holds the page's hash
+        self._caches: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
+        self._cache = self._caches[0]
         self._fresh = array("i")
         self._fresh.frombytes(np.arange(n - 1, -1, -1, dtype=np.int32).tobytes())
         self._prev = array("i", [0]) * (n + 1)
@@ -67,9 +75,14 @@ class BlockPool:
         return self.num_blocks - self.num_free
 
     @property
+    def num_groups(self) -> int:
+        """KV cache groups sharing the pool."""
+        return len(self._caches)
+
+    @property
     def num_cached(self) -> int:
-        """Pages that hold a hash (in use or evictable)."""
-        return len(self._cache)
+        """Pages that hold a hash (in use or evictable), over every group."""
+        return sum(len(c) for c in self._caches)
 
     def ref_count(self, page: int) -> int:
         """References to `page` (0 when free)."""
@@ -79,9 +92,13 @@ class BlockPool:
         """The hash `page` is cached under, or None."""
         return self._hash[page]
 
-    def lookup(self, hashes: list[BlockHash], start: int, stop: int) -> list[int]:
-        """Cached pages for ``hashes[start:stop]``, stopping at the first miss. No side effects."""
-        get = self._cache.get
+    def cached_page(self, block_hash: BlockHash, group: int = 0) -> int | None:
+        """The page caching `block_hash` in `group`, or None."""
+        return self._caches[group].get(block_hash)
+
+    def lookup(self, hashes: list[BlockHash], start: int, stop: int, group: int = 0) -> list[int]:
+        """Cached pages for ``hashes[start:stop]`` in `group`, stopping at the first miss. No side effects."""
+        get = self._caches[group].get
         hits: list[int] = []
         for i in range(start, stop):
             page = get(hashes[i])
@@ -141,14 +158,14 @@ class BlockPool:
 
     def _evict(self, n: int) -> list[int]:
         prv, nxt, sentinel = self._prev, self._next, self.null_block
-        hashes, cache = self._hash, self._cache
+        hashes, caches, groups = self._hash, self._caches, self._group
         pages = []
         for _ in range(n):
             page = nxt[sentinel]
             b = nxt[page]
             nxt[sentinel] = b
             prv[b] = sentinel
-            del cache[hashes[page]]  # type: ignore[arg-type]
+            del caches[groups[page]][hashes[page]]  # type: ignore[arg-type]
             hashes[page] = None
             pages.append(page)
         self._num_cached_free -= n
@@ -180,16 +197,18 @@ class BlockPool:
                 prv[sentinel] = page
                 self._num_cached_free += 1
 
-    def commit(self, page: int, block_hash: BlockHash) -> int:
-        """Cache the full, written `page` under `block_hash`; returns the page to use.
+    def commit(self, page: int, block_hash: BlockHash, group: int = 0) -> int:
+        """Cache the full, written `page` under `block_hash` in `group`; returns the page to use.
 
-        If another page already holds `block_hash`, that page gains the
+        If another page already holds `block_hash` there, that page gains the
         caller's reference and `page` is freed (the caller must swap it in).
         """
-        existing = self._cache.get(block_hash)
+        cache = self._caches[group]
+        existing = cache.get(block_hash)
         if existing is None:
-            self._cache[block_hash] = page
+            cache[block_hash] = page
             self._hash[page] = block_hash
+            self._group[page] = group
             return page
         if existing != page:
             self.touch((existing,))
@@ -202,9 +221,9 @@ class BlockPool:
         Pages in use keep their hashes, so running requests still commit and hit.
         """
         pages = list(self._lru_pages())
-        hashes, cache = self._hash, self._cache
+        hashes, caches, groups = self._hash, self._caches, self._group
         for page in pages:
-            del cache[hashes[page]]  # type: ignore[arg-type]
+            del caches[groups[page]][hashes[page]]  # type: ignore[arg-type]
             hashes[page] = None
         self._fresh.extend(reversed(pages))
         sentinel = self.null_block
@@ -236,11 +255,13 @@ class BlockPool:
                 _require(hashes[page] is None, f"fresh page {page} still has a hash")
             if page in lru_set:
                 _require(hashes[page] is not None, f"cached-free page {page} has no hash")
-        for key, page in self._cache.items():
-            _require(hashes[page] == key, f"prefix cache maps a hash to page {page}, which holds another")
+        for g, cache in enumerate(self._caches):
+            for key, page in cache.items():
+                _require(hashes[page] == key, f"prefix cache maps a hash to page {page}, which holds another")
+                _require(self._group[page] == g, f"page {page} is cached in group {g} but marked {self._group[page]}")
         n_hashed = sum(h is not None for h in hashes)
-        _require(n_hashed == len(self._cache), f"{n_hashed} hashed pages but {len(self._cache)} cache entries")
-        _require(self.enable_prefix_caching or not self._cache, "prefix cache used while disabled")
+        _require(n_hashed == self.num_cached, f"{n_hashed} hashed pages but {self.num_cached} cache entries")
+        _require(self.enable_prefix_caching or not self.num_cached, "prefix cache used while disabled")
 
     def _lru_pages_checked(self) -> Iterator[int]:
         prv, nxt, sentinel = self._prev, self._next, self.null_block

@@ -158,9 +158,12 @@ class TextContext:
         tokens: prompt token ids (int32 range).
         max_length: longest the sequence may grow (prompt + generated); None means no limit.
         cache_salt: tenant key; requests with different salts never share pages.
+        encoder_length: encoder tokens of an encoder-decoder request (cross-attention pages); 0 otherwise.
     """
 
-    __slots__ = ("request_id", "tokens", "max_length", "cache_salt", "cached_prefix_length", "cache_seq_id")
+    __slots__ = (
+        "request_id", "tokens", "max_length", "cache_salt", "cached_prefix_length", "cache_seq_id", "encoder_length",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -168,6 +171,7 @@ class TextContext:
         tokens: Sequence[int] | np.ndarray,
         max_length: int | None = None,
         cache_salt: str | None = None,
+        encoder_length: int = 0,
     ) -> None:
         hash(request_id)  # TypeError for unhashable ids
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -180,6 +184,9 @@ class TextContext:
         self.cache_salt = cache_salt
         self.cached_prefix_length = 0
         self.cache_seq_id: int | None = None
+        if not isinstance(encoder_length, int) or isinstance(encoder_length, bool) or encoder_length < 0:
+            raise ValueError(f"encoder_length={encoder_length!r} must be an int >= 0")
+        self.encoder_length = encoder_length
 
     def __repr__(self) -> str:
         return f"TextContext({self.request_id!r}, {self.tokens!r})"

@@ -12,7 +12,7 @@ from pagedkv.core.context import TextContext
 from pagedkv.core.hashing import BlockHash
 from pagedkv.validation import check_int
 
-__all__ = ["RequestPages", "BatchTables", "build_tables", "lut_columns"]
+__all__ = ["RequestPages", "BatchTables", "assemble_tables", "build_tables", "check_batch", "lut_columns"]
 
 _NO_PAGES = np.zeros(0, dtype=np.int32)
 
@@ -62,6 +62,56 @@ def lut_columns(num_pages: int) -> int:
     return -(-num_pages // 8) * 8 + 16
 
 
+def check_batch(reqs: Mapping[Hashable, Any], batch: Sequence[TextContext]) -> list[Any]:
+    """The request states of `batch`, in order; ValueError for an unknown or repeated request."""
+    states: list[Any] = []
+    seen: set[Any] = set()
+    for ctx in batch:
+        rid = ctx.request_id
+        st = reqs.get(rid)
+        if st is None or rid in seen:
+            raise ValueError(f"request {rid!r} is {'repeated in the batch' if st else 'not claimed'}")
+        seen.add(rid)
+        states.append(st)
+    return states
+
+
+def required_pages(end: int, page_size: int) -> int:
+    """Pages a request needs to hold for `end` token slots."""
+    return -(-end // page_size)
+
+
+def assemble_tables(
+    rows: Sequence[tuple[Hashable, RequestPages, int]],
+    cache_lengths: Sequence[int],
+    ends: Sequence[int],
+    page_size: int,
+    null_page: int,
+    max_cache_length: int | None = None,
+) -> BatchTables:
+    """`BatchTables` from (request id, table, pages required) rows; ValueError when a table is short."""
+    for rid, table, required in rows:
+        if table.num_pages < required:
+            raise ValueError(
+                f"request {rid!r} holds {table.num_pages} pages but needs {required}: alloc must be called first"
+            )
+    width = max((r for _, _, r in rows), default=0)
+    if max_cache_length is not None:
+        check_int("max_cache_length", max_cache_length, 1)
+        if -(-max_cache_length // page_size) < width:
+            raise ValueError(f"max_cache_length={max_cache_length} is below the batch's {width} pages of {page_size}")
+        width = -(-max_cache_length // page_size)
+    lut = np.full((len(rows), lut_columns(width)), null_page, dtype=np.int32)  # [B, cols]
+    for i, (_, table, required) in enumerate(rows):
+        lut[i, :required] = table.pages[:required]
+    return BatchTables(
+        lookup_table=lut,
+        cache_lengths=np.array(cache_lengths, dtype=np.int32),  # [B]
+        max_prompt_length=max((e - p for p, e in zip(cache_lengths, ends, strict=True)), default=0),
+        max_cache_length=max(ends, default=0),
+    )
+
+
 def build_tables(
     reqs: Mapping[Hashable, RequestPages],
     batch: Sequence[TextContext],
@@ -71,34 +121,11 @@ def build_tables(
     max_cache_length: int | None = None,
 ) -> BatchTables:
     """The `BatchTables` of `batch`; each request must hold pages for all its tokens (+ drafts)."""
-    rows: list[tuple[RequestPages, int]] = []
-    seen: set[Any] = set()
-    for ctx in batch:
-        rid = ctx.request_id
-        st = reqs.get(rid)
-        if st is None or rid in seen:
-            raise ValueError(f"request {rid!r} is {'repeated in the batch' if st else 'not claimed'}")
-        seen.add(rid)
-        required = 0 if st.dummy else -(-(len(ctx.tokens) + num_speculative_tokens) // page_size)
-        if st.num_pages < required:
-            raise ValueError(
-                f"request {rid!r} holds {st.num_pages} pages but needs {required}: alloc must be called first"
-            )
-        rows.append((st, required))
-    width = max((r for _, r in rows), default=0)
-    if max_cache_length is not None:
-        check_int("max_cache_length", max_cache_length, 1)
-        if -(-max_cache_length // page_size) < width:
-            raise ValueError(f"max_cache_length={max_cache_length} is below the batch's {width} pages of {page_size}")
-        width = -(-max_cache_length // page_size)
-    lut = np.full((len(rows), lut_columns(width)), null_page, dtype=np.int32)
-    for i, (st, required) in enumerate(rows):
-        lut[i, :required] = st.pages[:required]
+    states = check_batch(reqs, batch)
+    rows = [
+        (ctx.request_id, st, 0 if st.dummy else required_pages(len(ctx.tokens) + num_speculative_tokens, page_size))
+        for ctx, st in zip(batch, states, strict=True)
+    ]
     processed = [ctx.tokens.processed_length for ctx in batch]
     ends = [ctx.tokens.current_position for ctx in batch]
-    return BatchTables(
-        lookup_table=lut,
-        cache_lengths=np.array(processed, dtype=np.int32),
-        max_prompt_length=max((e - p for p, e in zip(processed, ends, strict=True)), default=0),
-        max_cache_length=max(ends, default=0),
-    )
+    return assemble_tables(rows, processed, ends, page_size, null_page, max_cache_length)

@@ -25,9 +25,10 @@ from pagedkv.engine.request import Request
 from pagedkv.engine.sampling import SamplingParams, sample
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.hf.attention import ATTENTION_NAME, ForwardContext, register
-from pagedkv.hf.config import kv_params_from_config
+from pagedkv.hf.config import kv_layout
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheQuantizationConfig
+from pagedkv.runtime.inputs import MultiKVCacheInputs
 
 __all__ = ["LLMEngine", "EngineStats"]
 
@@ -50,6 +51,7 @@ class LLMEngine:
     Args:
         model: a causal LM whose attention implementation is ``"pagedkv"``.
         manager: the page manager (one replica, one device).
+        layer_map: model layer index -> (group, slot) for a hybrid manager (see `pagedkv.hf.kv_layout`).
         max_num_batched_tokens: token budget per step (prefills are chunked to fit).
         max_batch_size: most requests per step (defaults to the manager's).
         record_logits: keep every generated token's logits [V] on its request (tests).
@@ -63,11 +65,14 @@ class LLMEngine:
         max_num_batched_tokens: int = 256,
         max_batch_size: int | None = None,
         record_logits: bool = False,
+        layer_map: dict[int, tuple[int, int]] | None = None,
     ) -> None:
         if manager.num_replicas != 1 or len(manager.params.devices) != 1:
             raise ValueError("LLMEngine drives one replica on one device")
         self.model = model
         self.manager = manager
+        self.layer_map = dict(layer_map or {})
+        self._group_params = manager.params.leaves()
         self.device = manager.params.devices[0].to_torch()
         batch = max_batch_size or manager.max_batch_size
         self.scheduler = Scheduler(manager, max_num_batched_tokens, min(batch, manager.max_batch_size))
@@ -90,25 +95,32 @@ class LLMEngine:
         quantization: KVCacheQuantizationConfig | None = None,
         record_logits: bool = False,
     ) -> LLMEngine:
-        """An engine for a transformers causal LM (Llama, Qwen2, Qwen3), switched to pagedkv attention.
+        """An engine for a transformers causal LM, switched to pagedkv attention.
 
-        Give either `num_pages` or `memory_budget` (bytes for the KV pages).
-        The model is modified in place: its attention implementation becomes ``"pagedkv"``.
+        Supported: Llama, Qwen2, Qwen3, Mistral (sliding window), Gemma2 and Gemma3 (sliding + full),
+        gpt-oss (sinks + sliding), Llama 4 text (chunked local), DeepSeek V2/V3 (MLA). Mixed
+        attention types get one page table per group over one pool. Give either `num_pages` or
+        `memory_budget` (bytes for the KV pages). The model is modified in place: its attention
+        implementation becomes ``"pagedkv"``.
         """
         if (num_pages is None) == (memory_budget is None):
             raise ValueError("give exactly one of num_pages or memory_budget")
         param = next(model.parameters())
-        params = kv_params_from_config(
+        layout = kv_layout(
             model.config, page_size=page_size, dtype=param.dtype, device=param.device,
             enable_prefix_caching=enable_prefix_caching, kv_dtype=kv_dtype, quantization=quantization,
         )  # fmt: skip
+        params = layout.params
         model.set_attn_implementation(register())  # type: ignore[operator]
         if num_pages is not None:
             manager = PagedKVCacheManager(params, num_pages, max_batch_size=max_batch_size)
         else:
             assert memory_budget is not None
             manager = PagedKVCacheManager.from_memory_budget(params, memory_budget, max_batch_size=max_batch_size)
-        return cls(model, manager, max_num_batched_tokens=max_num_batched_tokens, record_logits=record_logits)
+        return cls(
+            model, manager, max_num_batched_tokens=max_num_batched_tokens, record_logits=record_logits,
+            layer_map=layout.layer_map,
+        )  # fmt: skip
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -198,12 +210,14 @@ class LLMEngine:
 
     def _forward(self, batch: list[Request]) -> torch.Tensor:
         ctxs = [r.ctx for r in batch]
-        inputs = self.manager.runtime_inputs([ctxs]).inputs[0]
+        tree = self.manager.runtime_inputs([ctxs])
+        groups = list(tree.children.values()) if isinstance(tree, MultiKVCacheInputs) else [tree]
+        inputs = [g.inputs[0] for g in groups]  # one device
         ids = np.concatenate([c.tokens.active for c in ctxs]).astype(np.int64)  # [T]
         positions = np.concatenate([np.arange(c.tokens.processed_length, c.tokens.current_position) for c in ctxs])
         offsets = np.zeros(len(ctxs) + 1, dtype=np.int64)  # [B + 1]
         np.cumsum([c.tokens.active_length for c in ctxs], out=offsets[1:])
-        context = ForwardContext.build(inputs, torch.from_numpy(offsets), len(ids))
+        context = ForwardContext.build(inputs, self._group_params, torch.from_numpy(offsets), len(ids), self.layer_map)
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model(

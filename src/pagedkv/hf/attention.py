@@ -1,27 +1,52 @@
 """The ``"pagedkv"`` attention implementation for transformers models.
 
 The engine packs a ragged batch into one sequence: ``input_ids [1, T]`` with
-explicit ``position_ids [1, T]`` and ``use_cache=False``, so transformers keeps
-no cache of its own. Every attention layer then calls `pagedkv_attention`
-with its new ``key``/``value`` ``[1, H_kv, T, D]``: they are written into the
-layer's pages (`ops.store_kv`) and the queries attend over the pages
-(`ops.paged_attention`), request by request as `input_row_offsets` says.
+explicit ``position_ids [1, T]`` and no transformers cache of KV, so every
+attention layer calls `pagedkv_attention` with its new ``key``/``value``
+``[1, H_kv, T, D]``. The layer's group (from `ForwardContext.layer_map`)
+says which page table and which layer slot it uses, and which tokens it sees
+(full, sliding window, chunked local, sinks): K/V are written into the pages
+(`ops.store_kv`) and the queries attend over them (`ops.paged_attention`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from pagedkv import ops
 from pagedkv.ops.metadata import PagedMetadata
+from pagedkv.params import KVCacheParams
 from pagedkv.runtime.inputs import RaggedKVCacheInputs
 
-__all__ = ["ATTENTION_NAME", "ForwardContext", "pagedkv_attention", "register"]
+__all__ = ["ATTENTION_NAME", "ForwardContext", "GroupContext", "pagedkv_attention", "register"]
 
 ATTENTION_NAME = "pagedkv"
+
+
+@dataclass(frozen=True, eq=False)
+class GroupContext:
+    """One page-table group's inputs for this forward pass and the tokens its layers see."""
+
+    inputs: RaggedKVCacheInputs
+    metadata: PagedMetadata
+    params: KVCacheParams
+
+    def attention_options(self) -> dict[str, Any]:
+        """`ops.paged_attention` keywords that follow from the group's attention kind."""
+        p = self.params
+        options: dict[str, Any] = {}
+        if p.sliding_window is not None:
+            options["sliding_window"] = p.sliding_window
+        if p.attention_chunk_size is not None:
+            options["chunk_size"] = p.attention_chunk_size
+        if p.sink_tokens:
+            options["sink_tokens"] = p.sink_tokens
+        if p.is_cross_attention:
+            options["causal"] = False
+        return options
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,20 +54,36 @@ class ForwardContext:
     """What one forward pass needs to reach the pages: passed as ``model(..., pagedkv=ctx)``.
 
     Attributes:
-        inputs: the device's `RaggedKVCacheInputs` from `PagedKVCacheManager.runtime_inputs`.
+        groups: one `GroupContext` per page-table group.
         input_row_offsets: int [B + 1], where each request's tokens start on the packed axis.
-        metadata: the step's `PagedMetadata` (built once, shared by every layer).
+        layer_map: model layer index -> (group, layer slot in the group); empty means group 0, slot = index.
     """
 
-    inputs: RaggedKVCacheInputs
+    groups: list[GroupContext]
     input_row_offsets: torch.Tensor
-    metadata: PagedMetadata
+    layer_map: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, inputs: RaggedKVCacheInputs, input_row_offsets: torch.Tensor, num_tokens: int) -> ForwardContext:
-        """A context with its metadata for a batch of `num_tokens` packed tokens."""
-        offsets = input_row_offsets.to(inputs.cache_lengths.device)
-        return cls(inputs, offsets, PagedMetadata.build(inputs, offsets, num_tokens))
+    def build(
+        cls,
+        inputs: list[RaggedKVCacheInputs],
+        params: list[KVCacheParams],
+        input_row_offsets: torch.Tensor,
+        num_tokens: int,
+        layer_map: dict[int, tuple[int, int]] | None = None,
+    ) -> ForwardContext:
+        """A context for one device: `inputs[g]` and `params[g]` per group, `num_tokens` packed tokens."""
+        offsets = input_row_offsets.to(inputs[0].cache_lengths.device)
+        groups = [
+            GroupContext(i, PagedMetadata.build(i, offsets, num_tokens, causal=not p.is_cross_attention), p)
+            for i, p in zip(inputs, params, strict=True)
+        ]
+        return cls(groups, offsets, dict(layer_map or {}))
+
+    def locate(self, layer_idx: int) -> tuple[GroupContext, int]:
+        """The group and layer slot of model layer `layer_idx`."""
+        group, slot = self.layer_map.get(layer_idx, (0, layer_idx))
+        return self.groups[group], slot
 
 
 def pagedkv_attention(
@@ -58,8 +99,10 @@ def pagedkv_attention(
     """Store this layer's new K/V in its pages and attend over them.
 
     query [1, H_q, T, D], key/value [1, H_kv, T, D] -> ([1, T, H_q, D], None).
-    Raises ValueError when called without a ``pagedkv`` context, or with a
-    feature this implementation does not provide (sliding window, sinks).
+    Learned sinks (``s_aux``, gpt-oss) and ``softcap`` come from transformers'
+    kwargs; windows and chunks from the layer's group. Raises ValueError when
+    called without a ``pagedkv`` context or when transformers' window
+    disagrees with the cache's.
     """
     ctx = kwargs.get(ATTENTION_NAME)
     if not isinstance(ctx, ForwardContext):
@@ -69,23 +112,25 @@ def pagedkv_attention(
         )
     if query.shape[0] != 1:
         raise ValueError(f"pagedkv packs the batch on the token axis: query batch must be 1, got {query.shape[0]}")
-    for feature in ("sliding_window", "s_aux"):
-        if kwargs.get(feature) is not None:
-            raise ValueError(f"{type(module).__name__} uses {feature}, which this attention does not implement yet")
-    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    group, slot = ctx.locate(int(module.layer_idx))  # type: ignore[arg-type]
+    window = kwargs.get("sliding_window")
+    if window is not None and window != group.params.sliding_window:
+        raise ValueError(
+            f"layer {module.layer_idx} attends a window of {window} but its cache keeps {group.params.sliding_window}"
+        )
     q = query[0].transpose(0, 1)  # [T, H_q, D]
     k = key[0].transpose(0, 1)  # [T, H_kv, D]
     v = value[0].transpose(0, 1)  # [T, H_kv, D]
-    ops.store_kv(k, v, ctx.inputs, ctx.input_row_offsets, layer, metadata=ctx.metadata)
+    ops.store_kv(k, v, group.inputs, ctx.input_row_offsets, slot, metadata=group.metadata)
     out = ops.paged_attention(
-        q, ctx.inputs, ctx.input_row_offsets, layer, scale=scaling, softcap=kwargs.get("softcap"),
-        metadata=ctx.metadata,
+        q, group.inputs, ctx.input_row_offsets, slot, scale=scaling, softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"), metadata=group.metadata, **group.attention_options(),
     )  # fmt: skip  # [T, H_q, D]
     return out.unsqueeze(0), None  # [1, T, H_q, D]
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """Mask builder for ``"pagedkv"``: none; causality comes from page positions."""
+    """Mask builder for ``"pagedkv"``: none; the kernels apply causality and windows from positions."""
     return None
 
 

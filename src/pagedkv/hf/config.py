@@ -1,17 +1,43 @@
-"""KV cache parameters from a transformers model config."""
+"""KV cache layout of a transformers model: params (one cache, or one group per attention type) and a layer map.
+
+Layer types come from the config: ``layer_types`` ("full_attention",
+"sliding_attention", "chunked_attention") where the model has them, else
+every layer is sliding when ``sliding_window`` is set (Mistral) and full
+otherwise; DeepSeek V2/V3 cache one MLA latent (``kv_lora_rank +
+qk_rope_head_dim``) per token. Mixed types are grouped as vLLM's hybrid
+allocator groups them (`pagedkv.interface.group_layer_specs`): each group is
+a child ``group{i}`` of a `MultiKVCacheParams`, and `layer_map[i]` says which
+group and which layer slot of it layer i uses.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pagedkv.dtype import DeviceRef, DType
+from pagedkv.interface.bridge import params_from_kv_cache_config
+from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec, group_layer_specs
+from pagedkv.interface.specs import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams, KVCacheQuantizationConfig
 
-__all__ = ["kv_params_from_config", "device_ref"]
+__all__ = ["KVLayout", "kv_layout", "kv_params_from_config", "device_ref", "SUPPORTED"]
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
+SUPPORTED = (
+    "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gpt_oss", "llama4_text", "deepseek_v2",
+    "deepseek_v3",
+)  # fmt: skip
+_MLA = ("deepseek_v2", "deepseek_v3")
 
 
 def device_ref(device: torch.device) -> DeviceRef:
@@ -21,37 +47,76 @@ def device_ref(device: torch.device) -> DeviceRef:
     return DeviceRef("meta", 0) if device.type == "meta" else DeviceRef.CPU()
 
 
-def kv_params_from_config(
+@dataclass(frozen=True)
+class KVLayout:
+    """The cache of a model: `params`, and model layer index -> (group, slot within the group)."""
+
+    params: KVCacheParams | MultiKVCacheParams
+    layer_map: dict[int, tuple[int, int]]
+
+    @property
+    def num_groups(self) -> int:
+        """Page-table groups (1 unless the model mixes attention types)."""
+        return len(self.params.leaves())
+
+
+def _layer_spec(config: Any, kind: str, page_size: int, dtype: DType) -> AttentionSpec:
+    if config.model_type in _MLA:
+        head = config.kv_lora_rank + config.qk_rope_head_dim
+        return MLAAttentionSpec(block_size=page_size, num_kv_heads=1, head_size=head, dtype=dtype)
+    heads = config.num_attention_heads
+    common: dict[str, Any] = dict(
+        block_size=page_size, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_size=getattr(config, "head_dim", None) or config.hidden_size // heads, dtype=dtype,
+    )  # fmt: skip
+    if kind == "sliding_attention":
+        return SlidingWindowSpec(**common, sliding_window=config.sliding_window)
+    if kind == "chunked_attention":
+        return ChunkedLocalAttentionSpec(**common, attention_chunk_size=config.attention_chunk_size)
+    if kind == "full_attention":
+        return FullAttentionSpec(**common)
+    raise ValueError(f"layer type {kind!r} is not supported")
+
+
+def _layer_kinds(config: Any) -> list[str]:
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return list(kinds)
+    sliding = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
+    return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+
+
+def kv_layout(
     config: Any,
     *,
     page_size: int = 16,
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
-    enable_prefix_caching: bool = True,
     kv_dtype: DType | None = None,
     quantization: KVCacheQuantizationConfig | None = None,
-    **overrides: Any,
-) -> KVCacheParams:
-    """`KVCacheParams` for a decoder-only model config (Llama, Qwen2, Qwen3 attention).
+    **params_kwargs: Any,
+) -> KVLayout:
+    """The `KVLayout` of a decoder-only model config; ValueError for a model type not supported yet."""
+    if getattr(config, "model_type", None) not in SUPPORTED:
+        raise ValueError(
+            f"model_type={getattr(config, 'model_type', None)!r} is not supported yet; supported: {SUPPORTED}"
+        )
+    storage = kv_dtype or DType.from_torch(dtype)
+    specs: dict[str, KVCacheSpec] = {
+        str(i): _layer_spec(config, k, page_size, storage) for i, k in enumerate(_layer_kinds(config))
+    }
+    groups = group_layer_specs(specs)
+    devices = [device_ref(device or torch.device("cpu"))]
+    extra: dict[str, Any] = dict(kvcache_quant_config=quantization, num_q_heads=config.num_attention_heads)
+    extra.update(params_kwargs)
+    layer_map = {int(name): (g, slot) for g, (names, _) in enumerate(groups) for slot, name in enumerate(names)}
+    config_view = KVCacheConfig(1, [], [KVCacheGroupSpec(names, spec) for names, spec in groups])
+    tree = params_from_kv_cache_config(config_view, devices, **extra)
+    if len(groups) == 1:
+        return KVLayout(tree.leaves()[0], layer_map)
+    return KVLayout(tree, layer_map)
 
-    The cache stores `kv_dtype` (default: the model's `dtype`); an FP8
-    `kv_dtype` with `quantization` gives scaled FP8 pages. Raises ValueError
-    for a model type whose attention pagedkv does not run yet.
-    """
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED:
-        raise ValueError(f"model_type={model_type!r} is not supported yet; supported: {SUPPORTED}")
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return KVCacheParams(
-        dtype=kv_dtype or DType.from_torch(dtype),
-        n_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-        num_layers=config.num_hidden_layers,
-        devices=[device_ref(device or torch.device("cpu"))],
-        page_size=page_size,
-        enable_prefix_caching=enable_prefix_caching,
-        num_q_heads=heads,
-        kvcache_quant_config=quantization,
-        **overrides,
-    )
+
+def kv_params_from_config(config: Any, **kwargs: Any) -> KVCacheParams | MultiKVCacheParams:
+    """`kv_layout(config, **kwargs).params`."""
+    return kv_layout(config, **kwargs).params

@@ -23,8 +23,10 @@ import torch
 from pagedkv.core import memory
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.context import RequestID, TextContext
+from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.tables import BatchTables
+from pagedkv.manager import hybrid
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params import KVCacheParams, KVConnectorType
 from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer
@@ -72,18 +74,9 @@ class PagedKVCacheManager:
         self.enable_runtime_checks = bool(enable_runtime_checks)
         self.page_size = params.page_size
         self.num_replicas = params.data_parallel_degree
-        self._buffers = params.allocate_buffers(total_num_pages + 1)
-        self._managers = [
-            BlockManager(
-                total_num_pages,
-                params.page_size,
-                enable_prefix_caching=params.enable_prefix_caching,
-                hash_algo=params.kv_hash_algo,
-                hash_seed=params.kv_hash_seed,
-                num_speculative_tokens=params.num_eagle_speculative_tokens,
-            )
-            for _ in range(self.num_replicas)
-        ]
+        self.hybrid = hybrid.is_hybrid(params)
+        self._managers = [hybrid.make_block_manager(params, total_num_pages) for _ in range(self.num_replicas)]
+        self._buffers = hybrid.allocate_buffers(params, total_num_pages + 1)
 
     @classmethod
     def from_memory_budget(
@@ -190,10 +183,15 @@ class PagedKVCacheManager:
         `alloc`), a batch exceeds `max_batch_size`, or `max_cache_length` is too small.
         """
         self._check_batches(batches)
-        per_device: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for r, (bm, batch) in enumerate(zip(self._managers, batches, strict=True)):
+        for r, batch in enumerate(batches):
             if len(batch) > self.max_batch_size:
                 raise ValueError(f"replica {r} batch of {len(batch)} exceeds max_batch_size={self.max_batch_size}")
+        if self.hybrid:
+            pairs = zip(self._managers, batches, strict=True)
+            tables = [hybrid.replica_tables(bm, list(batch), max_cache_length) for bm, batch in pairs]
+            return hybrid.hybrid_inputs(self.params, self._buffers, tables)
+        per_device: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for r, (bm, batch) in enumerate(zip(self._managers, batches, strict=True)):
             per_device.extend(self._device_tables(r, bm.build_tables(list(batch), max_cache_length)))
         return self._assemble(self.params, self._buffers, per_device)
 
@@ -235,9 +233,14 @@ class PagedKVCacheManager:
         return self._buffers[replica_idx]
 
     # ----------------------------------------------------------------- queries
-    def get_req_blocks(self, request_id: RequestID, replica_idx: int = 0) -> list[int]:
-        """Page ids of the request in logical order."""
-        return self._bm(replica_idx).get_req_blocks(request_id)
+    def get_req_blocks(self, request_id: RequestID, replica_idx: int = 0, group: int = 0) -> list[int]:
+        """Page ids of the request in logical order (of `group`, for hybrid models; null where dropped)."""
+        bm = self._bm(replica_idx)
+        if isinstance(bm, KVCacheCoordinator):
+            return bm.get_req_blocks(request_id, group)
+        if group:
+            raise ValueError(f"group={group}: this model has one page table (group 0)")
+        return bm.get_req_blocks(request_id)
 
     def num_free_blocks(self, replica_idx: int = 0) -> int:
         """Pages an allocation can take (fresh plus evictable cached)."""

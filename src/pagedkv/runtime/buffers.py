@@ -28,8 +28,17 @@ __all__ = [
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """``uint8 [pages, bytes_per_page]`` view of a contiguous page tensor (shares storage)."""
-    return tensor.view(torch.uint8).view(tensor.shape[0], -1)
+    """``uint8 [pages, bytes_per_page]`` view of a page tensor whose pages are each contiguous (shares storage)."""
+    if tensor.is_contiguous():
+        return tensor.view(torch.uint8).view(tensor.shape[0], -1)
+    raw = tensor.view(torch.uint8)  # the last dim is contiguous: only its width changes
+    page_bytes = tensor[0].numel() * tensor.element_size()
+    return raw.as_strided((tensor.shape[0], page_bytes), (raw.stride(0), 1))
+
+
+def _pages_contiguous(t: torch.Tensor) -> bool:
+    """True when each page t[i] is one contiguous block (pages may be spaced further apart)."""
+    return t.is_contiguous() or (t[0].is_contiguous() and t.stride(0) >= t[0].numel())
 
 
 @dataclass(eq=False)
@@ -78,10 +87,10 @@ def _check_uniform(kind: str, tensors: Sequence[torch.Tensor]) -> None:
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{kind}[{i}] must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_contiguous():
-            raise ValueError(f"{kind}[{i}] must be contiguous")
         if t.dim() < 1 or t.shape[0] < 1:
             raise ValueError(f"{kind}[{i}] must have at least one page, got shape {tuple(t.shape)}")
+        if not _pages_contiguous(t):
+            raise ValueError(f"{kind}[{i}] must be contiguous (each page at least)")
         if (t.dtype, t.shape) != (tensors[0].dtype, tensors[0].shape):
             raise ValueError(
                 f"All {kind} buffers must have the same dtype and shape: "

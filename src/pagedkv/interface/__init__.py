@@ -1,0 +1,47 @@
+"""vLLM's `kv_cache_interface` (seed 004) for pagedkv: per-layer specs, groups, and the shared pool layout.
+
+Specs and configs are torch-free frozen dataclasses (`reshape_kv_cache` imports
+torch when called). `params_from_kv_cache_config` / `kv_cache_config_from_params`
+convert between a `KVCacheConfig` and the `MultiKVCacheParams` tree the
+managers take: one child per group.
+"""
+
+from pagedkv.interface.bridge import kv_cache_config_from_params, params_from_kv_cache_config, spec_from_params
+from pagedkv.interface.config import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheLayout,
+    KVCacheTensor,
+    compute_layer_kv_cache_shape_bytes,
+    get_kv_cache_config,
+    group_layer_specs,
+    num_states_for,
+    reshape_kv_cache,
+)
+from pagedkv.interface.specs import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    HiddenStateCacheSpec,
+    KVCacheSpec,
+    KVQuantMode,
+    MLAAttentionSpec,
+    SchedulerLimits,
+    SinkFullAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+    TQFullAttentionSpec,
+    UniformTypeKVCacheSpecs,
+    get_kv_quant_mode,
+    kv_cache_uses_per_token_head_scales,
+)
+
+__all__ = [
+    "AttentionSpec", "ChunkedLocalAttentionSpec", "CrossAttentionSpec", "FullAttentionSpec", "HiddenStateCacheSpec",
+    "KVCacheConfig", "KVCacheGroupSpec", "KVCacheLayout", "KVCacheSpec", "KVCacheTensor", "KVQuantMode",
+    "MLAAttentionSpec", "SchedulerLimits", "SinkFullAttentionSpec", "SlidingWindowMLASpec", "SlidingWindowSpec",
+    "TQFullAttentionSpec", "UniformTypeKVCacheSpecs", "compute_layer_kv_cache_shape_bytes", "get_kv_cache_config",
+    "get_kv_quant_mode", "group_layer_specs", "kv_cache_config_from_params", "kv_cache_uses_per_token_head_scales", "num_states_for",
+    "params_from_kv_cache_config", "reshape_kv_cache", "spec_from_params",
+]  # fmt: skip

@@ -1,0 +1,102 @@
+"""How `PagedKVCacheManager` serves hybrid models (caches that are not all full attention).
+
+A model is hybrid when a cache keeps only some tokens (sliding window,
+chunked local, sinks) or is cross-attention. Then every cache (a child of a
+flat `MultiKVCacheParams`, or the single `KVCacheParams`) is a group with
+its own page table, all groups draw page ids from one pool
+(`KVCacheCoordinator`), and their buffers alias one arena per device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedkv.core.block_manager import BlockManager
+from pagedkv.core.coordinator import KVCacheCoordinator
+from pagedkv.core.managers import manager_for
+from pagedkv.core.tables import BatchTables
+from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
+from pagedkv.params import KVCacheParams
+from pagedkv.runtime.arena import allocate_arena_buffers
+from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs, max_lengths_table
+
+__all__ = ["is_hybrid", "group_names", "make_block_manager", "allocate_buffers", "hybrid_inputs", "replica_tables"]
+
+
+def is_hybrid(params: KVCacheParamInterface) -> bool:
+    """True when some cache keeps fewer than all tokens, or is cross-attention."""
+    return any(leaf.attention_kind != "full" for leaf in params.leaves())
+
+
+def group_names(params: KVCacheParamInterface) -> list[str]:
+    """Group names in group order: the children of a flat tree, or ``["cache"]``."""
+    if isinstance(params, KVCacheParams):
+        return ["cache"]
+    if any(isinstance(c, MultiKVCacheParams) for c in params.children.values()):
+        raise ValueError("a hybrid MultiKVCacheParams must be flat: one KVCacheParams child per group")
+    return list(params.children)
+
+
+def make_block_manager(params: KVCacheParamInterface, total_num_pages: int) -> BlockManager:
+    """A `BlockManager` (all full attention) or a `KVCacheCoordinator` with one group per cache."""
+    kwargs: dict[str, Any] = dict(
+        enable_prefix_caching=params.enable_prefix_caching, hash_algo=params.kv_hash_algo,
+        hash_seed=params.kv_hash_seed, num_speculative_tokens=params.num_eagle_speculative_tokens,
+    )  # fmt: skip
+    if not is_hybrid(params):
+        return BlockManager(total_num_pages, params.page_size, **kwargs)
+    group_names(params)  # validates the shape of the tree
+    groups = [manager_for(leaf.attention_kind, g, params.page_size, leaf) for g, leaf in enumerate(params.leaves())]
+    return KVCacheCoordinator(total_num_pages, params.page_size, groups, **kwargs)
+
+
+def allocate_buffers(params: KVCacheParamInterface, total_num_pages: int) -> list[Any]:
+    """Page buffers per replica: aliased arenas for a hybrid tree, the params' own allocation otherwise."""
+    if isinstance(params, MultiKVCacheParams) and is_hybrid(params):
+        return allocate_arena_buffers(group_names(params), params.leaves(), total_num_pages)
+    return params.allocate_buffers(total_num_pages)
+
+
+def _device_tensors(tables: BatchTables, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lut = torch.from_numpy(tables.lookup_table).to(device, copy=True)  # [B, cols]
+    lengths = torch.from_numpy(tables.cache_lengths).to(device, copy=True)  # [B]
+    return lut, lengths, max_lengths_table(tables.max_prompt_length, tables.max_cache_length)  # [1, 2] CPU
+
+
+def hybrid_inputs(
+    params: KVCacheParamInterface, buffers: list[Any], per_replica: list[list[BatchTables]]
+) -> KVCacheInputs:
+    """The runtime inputs tree: per group, one `RaggedKVCacheInputs` per device (replica-major).
+
+    Decoder groups of a device share one `cache_lengths` tensor; each group has its own lookup table.
+    """
+    names, leaves = group_names(params), params.leaves()
+    records: dict[str, list[RaggedKVCacheInputs]] = {name: [] for name in names}
+    for r, group_tables in enumerate(per_replica):
+        for s, device in enumerate(leaves[0].devices_per_replica[r]):
+            dev = device.to_torch()
+            shared: torch.Tensor | None = None
+            for name, leaf, tables in zip(names, leaves, group_tables, strict=True):
+                lut, lengths, max_lengths = _device_tensors(tables, dev)
+                if leaf.attention_kind != "cross":
+                    shared = lengths if shared is None else shared
+                    lengths = shared
+                buf = _leaf_buffer(buffers[r], name, isinstance(params, KVCacheParams))
+                scales = buf.scales[s] if buf.scales else None
+                records[name].append(RaggedKVCacheInputs(buf.values[s], lengths, lut, max_lengths, scales))
+    if isinstance(params, KVCacheParams):
+        return KVCacheInputs(records["cache"])
+    return MultiKVCacheInputs({name: KVCacheInputs(recs) for name, recs in records.items()})
+
+
+def _leaf_buffer(buffer: Any, name: str, single: bool) -> Any:
+    return buffer if single else buffer.children[name]
+
+
+def replica_tables(bm: BlockManager, batch: list[Any], max_cache_length: int | None) -> list[BatchTables]:
+    """The group tables of a replica's batch (one entry for a plain `BlockManager`)."""
+    if isinstance(bm, KVCacheCoordinator):
+        return bm.build_group_tables(batch, max_cache_length)
+    return [bm.build_tables(batch, max_cache_length)]

@@ -1,0 +1,41 @@
+"""Validation helpers of `KVCacheParams` that need no params type (kept apart to keep params.py small)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedkv.validation import check_int
+
+__all__ = ["normalize_hash_seed", "validate_attention_kind"]
+
+
+def normalize_hash_seed(seed: bytes | str | None) -> bytes | None:
+    """A 32-byte seed from bytes or 64 hex characters; None stays None."""
+    if seed is None:
+        return None
+    if isinstance(seed, str):
+        try:
+            seed = bytes.fromhex(seed)
+        except ValueError:
+            raise ValueError(f"kv_hash_seed={seed!r} is not hex") from None
+    if not isinstance(seed, bytes | bytearray):
+        raise TypeError(f"kv_hash_seed={seed!r} must be bytes, a hex str or None")
+    if len(seed) != 32:
+        raise ValueError(f"kv_hash_seed has {len(seed)} bytes; it must have exactly 32")
+    return bytes(seed)
+
+
+def validate_attention_kind(params: Any) -> None:
+    """Window, chunk, sinks and cross-attention: valid values, and only combinations that exist."""
+    for name in ("sliding_window", "attention_chunk_size"):
+        if getattr(params, name) is not None:
+            check_int(name, getattr(params, name), 1)
+    check_int("sink_tokens", params.sink_tokens, 0)
+    if not isinstance(params.is_cross_attention, bool):
+        raise TypeError(f"is_cross_attention={params.is_cross_attention!r} must be a bool")
+    if params.sliding_window is not None and params.attention_chunk_size is not None:
+        raise ValueError("sliding_window and attention_chunk_size cannot both be set")
+    if params.sink_tokens and params.sliding_window is None:
+        raise ValueError(f"sink_tokens={params.sink_tokens} needs a sliding_window (full attention keeps every token)")
+    if params.is_cross_attention and (params.sliding_window or params.attention_chunk_size or params.sink_tokens):
+        raise ValueError("is_cross_attention=True takes no sliding_window, attention_chunk_size or sink_tokens")
