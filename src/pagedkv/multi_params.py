@@ -32,6 +32,7 @@ _SHARED = (
     ("num_eagle_speculative_tokens", "num_eagle_speculative_tokens"),
     ("kv_hash_algo", "kv_hash_algo"),
     ("kv_hash_seed", "kv_hash_seed"),
+    ("eviction_policy", "eviction_policy"),
 )
 
 
@@ -122,6 +123,11 @@ class MultiKVCacheParams:
     def kv_hash_algo(self) -> str:
         """Prefix hash algorithm (shared)."""
         return self._first().kv_hash_algo
+
+    @property
+    def eviction_policy(self) -> str:
+        """Eviction policy of the shared pool."""
+        return self._first().eviction_policy
 
     @property
     def kv_hash_seed(self) -> bytes | None:

@@ -102,6 +102,7 @@ class KVCacheParams:
     attention_chunk_size: int | None = None
     sink_tokens: int = 0
     is_cross_attention: bool = False
+    eviction_policy: str = "lru"
 
     def __post_init__(self) -> None:
         self._validate_scalars()
@@ -113,6 +114,8 @@ class KVCacheParams:
         self._validate_connector()
         self._validate_quantization()
         validate_attention_kind(self)
+        if self.eviction_policy not in ("lru", "slru"):
+            raise ValueError(f"eviction_policy={self.eviction_policy!r} must be one of ('lru', 'slru')")
         if self.kv_hash_algo not in HASH_ALGOS:
             raise ValueError(f"kv_hash_algo={self.kv_hash_algo!r} must be one of {HASH_ALGOS}")
         object.__setattr__(self, "kv_hash_seed", normalize_hash_seed(self.kv_hash_seed))

@@ -50,8 +50,9 @@ class BlockManager:
         hash_seed: bytes | None = None,
         num_speculative_tokens: int = 0,
         num_groups: int = 1,
+        eviction_policy: str = "lru",
     ) -> None:
-        self.pool = BlockPool(num_blocks, enable_prefix_caching, num_groups)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, num_groups, eviction_policy)
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_speculative_tokens = num_speculative_tokens
@@ -81,8 +82,12 @@ class BlockManager:
         if st.num_pages:
             self.pool.free(st.pages[st.num_pages - 1 :: -1].tolist())
 
-    def alloc(self, ctx: TextContext) -> None:
+    def alloc(self, ctx: TextContext, num_scheduled_tokens: int | None = None) -> None:
         """Give `ctx` pages for all its tokens (+ draft slots), reusing cached prefix pages first.
+
+        `num_scheduled_tokens` (how many tokens this step will run) only
+        matters to windowed groups of a hybrid model (`KVCacheCoordinator`);
+        full attention takes pages for the whole sequence, as MAX does.
 
         Side effects on success: prefix hits move ``ctx.tokens`` forward
         (`skip_processing`); on a first admission ``ctx.cached_prefix_length``

@@ -23,7 +23,7 @@ from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.errors import require as _require
 from pagedkv.core.hashing import BlockHash
-from pagedkv.core.hybrid_state import _FAR, HybridRequest, Plan, check_request, prefix_misses
+from pagedkv.core.hybrid_state import _FAR, HybridRequest, Plan, check_request, prefix_misses, release_order
 from pagedkv.core.managers import GroupManager
 from pagedkv.core.tables import BatchTables, RequestPages, assemble_tables, check_batch, required_pages
 
@@ -43,10 +43,12 @@ class KVCacheCoordinator(BlockManager):
         hash_algo: str = "sha256",
         hash_seed: bytes | None = None,
         num_speculative_tokens: int = 0,
+        eviction_policy: str = "lru",
     ) -> None:
         super().__init__(
             num_blocks, page_size, enable_prefix_caching=enable_prefix_caching, hash_algo=hash_algo,
             hash_seed=hash_seed, num_speculative_tokens=num_speculative_tokens, num_groups=len(groups),
+            eviction_policy=eviction_policy,
         )  # fmt: skip
         self.groups = list(groups)
         self._decoder = [g for g in self.groups if g.kind != "cross"]
@@ -65,14 +67,16 @@ class KVCacheCoordinator(BlockManager):
         if st is None:
             raise ValueError(f"Attempted to release request ID {request_id!r} but it is not claimed")
         del self._reqs[request_id]
-        null = self.pool.null_block
-        for table in st.tables:  # type: ignore[attr-defined]
-            self.pool.free(p for p in table.pages[table.num_pages - 1 :: -1].tolist() if p != null)
+        pages, held = release_order(self, st)  # type: ignore[arg-type]
+        self.pool.release(pages, held)
 
     # ----------------------------------------------------------------- alloc
-    def alloc(self, ctx: TextContext) -> None:
+    def alloc(self, ctx: TextContext, num_scheduled_tokens: int | None = None) -> None:
         """Pages for the request in every group: prefix hits, drops out of windows, new pages.
 
+        Full groups take pages for every token; windowed groups for the active
+        window, or, with `num_scheduled_tokens`, for that many tokens after the
+        prefix hit (the caller then chunks the context to at most that many).
         Raises `InsufficientBlocksError` or `ValueError` and then changes nothing.
         """
         st = self._reqs.get(ctx.request_id)
@@ -86,10 +90,10 @@ class KVCacheCoordinator(BlockManager):
             self._input_tokens += 1
             return
         hst: HybridRequest = self._claimed(ctx.request_id)  # type: ignore[assignment]
-        plan = self._plan_alloc(hst, ctx)
+        plan = self._plan_alloc(hst, ctx, num_scheduled_tokens)
         need = sum(plan.new)
         if need:
-            available = self.pool.num_free + self._freed_by(hst, plan) - self._evictable_hits(plan)
+            available = self._available(hst, plan)
             if need > available:
                 raise InsufficientBlocksError(
                     f"Cannot get {need} free blocks for request {ctx.request_id!r} (only {available} available; "
@@ -99,7 +103,7 @@ class KVCacheCoordinator(BlockManager):
                 )
         self._apply(hst, ctx, plan)
 
-    def _plan_alloc(self, st: HybridRequest, ctx: TextContext) -> Plan:
+    def _plan_alloc(self, st: HybridRequest, ctx: TextContext, scheduled: int | None = None) -> Plan:
         tokens, ps, spec = ctx.tokens, self.page_size, self.num_speculative_tokens
         if tokens.processed_length > st.ready and tokens.processed_length > 0:
             raise ValueError(
@@ -130,8 +134,15 @@ class KVCacheCoordinator(BlockManager):
                 drops.append((0, 0))
                 new.append(required_pages(ctx.encoder_length, ps) if have == 0 else 0)
                 continue
-            drops.append((st.dropped[g], max(st.dropped[g], min(gm.droppable_pages(processed), have))))
-            end = tokens.current_position if gm.lazy else len(tokens)
+            keep = max(st.dropped[g], st.shared, hit if hit > st.committed else 0)  # shared pages stay
+            drops.append((keep, max(st.dropped[g], keep, min(gm.droppable_pages(processed), have))))
+            end = len(tokens)
+            if gm.lazy:
+                end = (
+                    tokens.current_position
+                    if scheduled is None
+                    else min(tokens.current_position, processed + scheduled)
+                )
             new.append(max(0, required_pages(end + spec, ps) - have))
         return Plan(hit, hit_pages, new_keys, digest, drops, new)
 
@@ -185,6 +196,16 @@ class KVCacheCoordinator(BlockManager):
             )
         return count
 
+    def _available(self, st: HybridRequest, plan: Plan) -> int:
+        """Pages this alloc may take: fresh, LRU and probation ones, plus the request's own protected
+        pages (out-of-window pages it dropped, including this alloc's drops). Other requests'
+        protected pages are never taken: they keep running requests' prefixes whole."""
+        pool, null = self.pool, self.pool.null_block
+        hits = {p for pages in plan.hit_pages for p in pages if p != null}
+        own = sum(1 for p in st.protected if pool.is_protected(p) and p not in hits)
+        open_hits = sum(1 for p in hits if pool.ref_count(p) == 0 and not pool.is_protected(p))
+        return pool.num_free - pool.num_protected - open_hits + own + self._freed_by(st, plan)
+
     def _evictable_hits(self, plan: Plan) -> int:
         null = self.pool.null_block
         return self.pool.count_unreferenced(p for pages in plan.hit_pages for p in pages if p != null)
@@ -200,6 +221,7 @@ class KVCacheCoordinator(BlockManager):
                 self.pool.touch(p for p in pages if p != null)
                 st.tables[g].append(pages)
             st.committed = plan.hit
+            st.shared = max(st.shared, plan.hit)
             skip = plan.hit * ps - processed
             tokens.skip_processing(skip)
             self._cache_tokens += skip
@@ -212,11 +234,23 @@ class KVCacheCoordinator(BlockManager):
             freed.extend(int(table[i]) for i in range(lo, min(hi, st.tables[g].num_pages)) if table[i] != null)
             table[lo : min(hi, st.tables[g].num_pages)] = null
             st.dropped[g] = max(st.dropped[g], hi)
-        self.pool.free(reversed(freed))
+        self.pool.free(reversed(freed), protect=True)  # kept whole until the request ends
+        protected = self.pool.is_protected
+        st.protected = [p for p in (*st.protected, *freed) if protected(p)]
         for g, n in enumerate(plan.new):
             if n:
-                st.tables[g].append(self.pool.allocate(n))
+                st.tables[g].append(self._take(st, n))
         self._refresh(st)
+
+    def _take(self, st: HybridRequest, n: int) -> list[int]:
+        """`n` pages: fresh, probation and LRU first, then the oldest of the request's own protected."""
+        pool = self.pool
+        k = min(n, pool.num_free - pool.num_protected)
+        pages = pool.allocate(k, protected_ok=False) if k else []
+        if k < n:
+            own, st.protected = st.protected[: n - k], st.protected[n - k :]
+            pages.extend(pool.take(own))
+        return pages
 
     def _refresh(self, st: HybridRequest) -> None:
         ps = self.page_size
@@ -251,7 +285,8 @@ class KVCacheCoordinator(BlockManager):
                 page = int(table.pages[i])
                 if page != null:
                     used = commit(page, st.hashes[i], g)
-                    if used != page:
+                    if used != page:  # merged into a cached copy: this prefix is shared
+                        st.shared = max(st.shared, i + 1)
                         table.pages[i] = used
         st.committed = n_commit
 

@@ -119,15 +119,18 @@ class PagedKVCacheManager:
         """True while `request_id` is claimed on the replica."""
         return self._bm(replica_idx).contains(request_id)
 
-    def alloc(self, data: TextContext, replica_idx: int = 0) -> None:
+    def alloc(self, data: TextContext, replica_idx: int = 0, *, num_scheduled_tokens: int | None = None) -> None:
         """Pages for every token of `data`, prefix-cache hits first (see `BlockManager.alloc`).
+
+        `num_scheduled_tokens` bounds the pages windowed groups of a hybrid
+        model take this step; chunk the context to at most that many tokens.
 
         Raises `InsufficientBlocksError` when the pool is too full; nothing changes then.
         """
         bm = self._managers[replica_idx] if type(replica_idx) is int and 0 <= replica_idx < self.num_replicas else None
         if bm is None:  # inlined `_bm`: this is the per-request hot path
             bm = self._bm(replica_idx)
-        bm.alloc(data)
+        bm.alloc(data, num_scheduled_tokens)
         if self.enable_runtime_checks:
             bm.check_integrity()
 
