@@ -14,17 +14,31 @@ COMMON = dict(
 )  # fmt: skip
 
 
+HYBRID = dict(num_hidden_layers=4, head_dim=16, sliding_window=8)
+ARCHS: dict[str, Any] = {
+    "llama": lambda tf: (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+    "qwen2": lambda tf: (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
+    "qwen3": lambda tf: (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"head_dim": 16}),
+    "mistral": lambda tf: (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": 8}),
+    # softcap 0.5 so that it bites (at the default 50 it changes nothing measurable)
+    "gemma2": lambda tf: (tf.Gemma2Config, tf.Gemma2ForCausalLM,
+                          {**HYBRID, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 0.5}),
+    "gemma3": lambda tf: (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
+                          {**HYBRID, "query_pre_attn_scalar": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    "gpt_oss": lambda tf: (tf.GptOssConfig, tf.GptOssForCausalLM,
+                           {**HYBRID, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "llama4": lambda tf: (tf.Llama4TextConfig, tf.Llama4ForCausalLM,
+                          {"head_dim": 16, "attention_chunk_size": 8, "no_rope_layer_interval": 2, "num_local_experts": 2,
+                           "intermediate_size_mlp": 128, "attn_temperature_tuning": False}),
+}  # fmt: skip
+
+
 def build(arch: str, seed: int = 0, attn_implementation: str = "eager", dtype: torch.dtype = torch.float32) -> Any:
-    """A 2-layer fp32 model of `arch` (llama, qwen2, qwen3); GQA 4:2; eos disabled."""
+    """A tiny fp32 model of `arch` (see ARCHS) with seeded random weights; GQA 4:2; eos disabled."""
     import transformers as tf
 
-    config_cls, model_cls, extra = {
-        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
-        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
-        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"head_dim": 16}),
-        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": 8}),
-    }[arch]
-    config = config_cls(**COMMON, **extra)
+    config_cls, model_cls, extra = ARCHS[arch](tf)
+    config = config_cls(**{**COMMON, **extra})
     torch.manual_seed(seed)
     model = model_cls._from_config(copy.deepcopy(config), attn_implementation=attn_implementation, dtype=dtype)
     model.generation_config.eos_token_id = None

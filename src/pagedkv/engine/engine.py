@@ -221,12 +221,21 @@ class LLMEngine:
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model(
-                input_ids=torch.from_numpy(ids).to(self.device)[None], use_cache=False,
+                input_ids=torch.from_numpy(ids).to(self.device)[None],
                 position_ids=torch.from_numpy(positions).to(self.device)[None],
-                logits_to_keep=torch.from_numpy(offsets[1:] - 1).to(self.device), **{ATTENTION_NAME: context},
+                logits_to_keep=torch.from_numpy(offsets[1:] - 1).to(self.device),
+                **self._model_kwargs(context), **{ATTENTION_NAME: context},
             )  # fmt: skip
         self.stats.forward_seconds += time.perf_counter() - t0
         return out.logits[0]  # [B, V]
+
+    def _model_kwargs(self, context: ForwardContext) -> dict[str, Any]:
+        """Extra forward keywords: no transformers cache, except MLA's latent cache (`pagedkv.hf.mla`)."""
+        if getattr(self.model.config, "model_type", None) in ("deepseek_v2", "deepseek_v3"):
+            from pagedkv.hf import mla
+
+            return mla.model_kwargs(context)
+        return {"use_cache": False}
 
     @property
     def summary(self) -> dict[str, Any]:

@@ -48,8 +48,7 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0 or request not in self.running:  # preempted by an earlier request of this loop
                 continue
-            tokens = request.ctx.tokens
-            if tokens.active_length == 1 and not self._alloc_decode(request):
+            if not self._alloc_running(request, budget):
                 continue
             budget -= self._window(request, budget)
             batch.append(request)
@@ -62,11 +61,12 @@ class Scheduler:
             tokens.chunk(budget)
         return tokens.active_length
 
-    def _alloc_decode(self, request: Request) -> bool:
-        """alloc for a decode step, preempting the newest requests until it fits; False if it was preempted."""
+    def _alloc_running(self, request: Request, budget: int) -> bool:
+        """alloc for the next window (a decode or a prefill chunk), preempting the newest requests
+        until it fits; False if `request` itself was preempted."""
         while True:
             try:
-                self.manager.alloc(request.ctx)
+                self.manager.alloc(request.ctx, num_scheduled_tokens=budget)
                 return True
             except InsufficientBlocksError:
                 victim = self.running[-1]
@@ -86,22 +86,39 @@ class Scheduler:
         admitted: list[Request] = []
         while self.waiting and budget > 0 and batch_size + len(admitted) < self.max_batch_size:
             request = self.waiting[0]
-            self.manager.claim(request.request_id)
-            try:
-                self.manager.alloc(request.ctx)
-            except InsufficientBlocksError:
-                self.manager.release(request.request_id)
-                if self.running or admitted:
-                    break  # wait for running requests to free pages
-                raise  # nothing else holds pages: this request can never fit
+            chunk = self._admit_one(request, budget, alone=not (self.running or admitted))
+            if chunk is None:
+                break  # wait for running requests to free pages
             self.waiting.popleft()
             request.cached_tokens += request.ctx.cached_prefix_length
             self.admitted_tokens += len(request.ctx.tokens)
             self.cached_tokens += request.ctx.cached_prefix_length
-            budget -= self._window(request, budget)
+            budget -= self._window(request, chunk)
             self.running.append(request)
             admitted.append(request)
         return admitted
+
+    def _admit_one(self, request: Request, budget: int, alone: bool) -> int | None:
+        """claim + alloc `request` for a chunk of up to `budget` tokens; returns the chunk, or None to wait.
+
+        Alone in the pool, a smaller chunk may fit where a large one does not
+        (windowed layers hold pages for the tokens of one step): the chunk is
+        halved until it fits; if even one token does not, the request can
+        never fit and the error propagates.
+        """
+        self.manager.claim(request.request_id)
+        chunk = budget
+        while True:
+            try:
+                self.manager.alloc(request.ctx, num_scheduled_tokens=chunk)
+                return chunk
+            except InsufficientBlocksError:
+                if not alone or chunk == 1:
+                    self.manager.release(request.request_id)
+                    if alone:
+                        raise
+                    return None
+                chunk //= 2
 
     def finish(self, request: Request) -> None:
         """Release a finished request's pages (after `step` committed them)."""

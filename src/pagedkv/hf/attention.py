@@ -110,6 +110,9 @@ def pagedkv_attention(
             "attn_implementation='pagedkv' needs model(..., pagedkv=ForwardContext(...)); run the model through "
             "pagedkv.engine.LLMEngine, or switch the attention implementation back for a plain forward"
         )
+    special = _special_attention(module)
+    if special is not None:
+        return special(module, query, key, value, ctx, scaling=scaling, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"pagedkv packs the batch on the token axis: query batch must be 1, got {query.shape[0]}")
     group, slot = ctx.locate(int(module.layer_idx))  # type: ignore[arg-type]
@@ -127,6 +130,25 @@ def pagedkv_attention(
         sinks=kwargs.get("s_aux"), metadata=group.metadata, **group.attention_options(),
     )  # fmt: skip  # [T, H_q, D]
     return out.unsqueeze(0), None  # [1, T, H_q, D]
+
+
+def _special_attention(module: torch.nn.Module) -> Any:
+    """The handler of a layer that is not plain self-attention over its own K/V, or None.
+
+    MLA (a `kv_b_proj`): attention over cached latents (`pagedkv.hf.mla`). Encoder-decoder
+    models (`is_decoder` set): encoder self-attention runs without pages, decoder
+    cross-attention reads the encoder's pages (`pagedkv.hf.encoder_decoder`).
+    """
+    if hasattr(module, "kv_b_proj"):
+        from pagedkv.hf import mla
+
+        return mla.mla_attention
+    is_decoder = getattr(module, "is_decoder", None)
+    if is_decoder is None or (is_decoder and getattr(module, "is_causal", True)):
+        return None
+    from pagedkv.hf import encoder_decoder
+
+    return encoder_decoder.cross_attention if is_decoder else encoder_decoder.encoder_attention
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
