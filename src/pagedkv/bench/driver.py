@@ -43,6 +43,10 @@ class ReplayStats:
     preemptions: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    first_prompt_tokens: int = 0  # first admissions only (vLLM's prefix-cache stats)
+    first_cached_tokens: int = 0
+    token_budget: int | None = None
+    admitted: set[int] = field(default_factory=set)
     peak_used_pages: int = 0
     wall_seconds: float = 0.0
 
@@ -55,6 +59,11 @@ class ReplayStats:
         """Prompt tokens served from the cache / prompt tokens admitted."""
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def first_admission_hit_rate(self) -> float:
+        """The same over first admissions only (re-admissions after preemption left out)."""
+        return self.first_cached_tokens / self.first_prompt_tokens if self.first_prompt_tokens else 0.0
+
 
 def replay(
     manager: PagedKVCacheManager,
@@ -63,16 +72,22 @@ def replay(
     max_batch_size: int,
     model: Model | None = None,
     progress: Callable[[int, int], None] | None = None,
+    max_num_batched_tokens: int | None = None,
 ) -> ReplayStats:
-    """Serve every request of `trace` on replica 0; returns timings and counters."""
+    """Serve every request of `trace` on replica 0; returns timings and counters.
+
+    `max_num_batched_tokens` caps the prompt tokens admitted per step (at least one request).
+    """
     stats = ReplayStats()
+    stats.token_budget = max_num_batched_tokens
     waiting: deque[tuple[TraceRequest, TextContext]] = deque((r, TextContext(r.request_id, r.prompt)) for r in trace)
     running: list[tuple[TraceRequest, TextContext]] = []
     done = 0
     start = time.perf_counter()
     while waiting or running:
-        prefilling = _admit(manager, waiting, running, max_batch_size, stats)
-        _decode_alloc(manager, waiting, running, prefilling, stats)
+        # as vLLM's scheduler: running requests first (preempting the newest when full), then admissions
+        preempted = _decode_alloc(manager, waiting, running, stats)
+        prefilling = set() if preempted else _admit(manager, waiting, running, max_batch_size, stats)
         batch = [c for _, c in running]
         with _clock(stats, "runtime_inputs", 1):
             manager.runtime_inputs([batch])
@@ -107,7 +122,8 @@ def _clock(stats: ReplayStats, phase: str, count: int) -> Iterator[None]:
 
 def _admit(manager: PagedKVCacheManager, waiting: deque, running: list, max_batch: int, stats: ReplayStats) -> set[int]:
     admitted: set[int] = set()
-    while waiting and len(running) < max_batch:
+    budget = stats.token_budget
+    while waiting and len(running) < max_batch and (budget is None or budget > 0 or not admitted):
         req, c = waiting[0]
         manager.claim(c.request_id)
         try:
@@ -120,6 +136,12 @@ def _admit(manager: PagedKVCacheManager, waiting: deque, running: list, max_batc
             raise
         stats.prompt_tokens += len(c.tokens)
         stats.cached_prompt_tokens += c.cached_prefix_length
+        if c.request_id not in stats.admitted:
+            stats.admitted.add(c.request_id)
+            stats.first_prompt_tokens += len(c.tokens)
+            stats.first_cached_tokens += c.cached_prefix_length
+        if budget is not None:
+            budget -= c.tokens.active_length
         waiting.popleft()
         running.append((req, c))
         admitted.add(c.request_id)
@@ -132,11 +154,11 @@ def _crosses_page(c: TextContext, page_size: int) -> bool:
     return (n - 1) % page_size == 0 or n % page_size == 0
 
 
-def _decode_alloc(
-    manager: PagedKVCacheManager, waiting: deque, running: list, prefilling: set, stats: ReplayStats
-) -> None:
+def _decode_alloc(manager: PagedKVCacheManager, waiting: deque, running: list, stats: ReplayStats) -> bool:
+    """alloc one more slot for every running request; True when someone had to be preempted."""
+    preempted = False
     while True:
-        decoding = [c for _, c in running if c.request_id not in prefilling]
+        decoding = [c for _, c in running]
         plain = [c for c in decoding if not _crosses_page(c, manager.page_size)]
         boundary = [c for c in decoding if _crosses_page(c, manager.page_size)]
         try:
@@ -149,10 +171,10 @@ def _decode_alloc(
             manager.release(victim[1].request_id)
             victim[1].reset()
             waiting.appendleft(victim)
-            prefilling.discard(victim[1].request_id)
             stats.preemptions += 1
+            preempted = True
             continue
-        return
+        return preempted
 
 
 def _step(manager: PagedKVCacheManager, running: list, prefilling: set, stats: ReplayStats) -> None:

@@ -1,0 +1,144 @@
+"""`pagedkv bench hybrid`: memory, prefix hits and bookkeeping of mixed-attention models.
+
+1. KV bytes one request holds at 8k and 32k context, for a Gemma3-like model
+   (48 layers, 5 local : 1 global, window 1024, 8 KV heads x 256, bf16) and a
+   gpt-oss-like model (24 layers alternating window 128 / full, 8 x 64, bf16):
+   pagedkv vs every layer full, vs the theoretical minimum (full layers keep
+   every token, window layers their last W).
+2. Prefix hit rate at fixed memory on the trace of vLLM's scenario E
+   (`shared/reference/lab_peers.md`): 2000 requests, 64 system prompts of 1024
+   tokens chosen zipf(1), 256-token suffixes, 128 outputs; 32 layers of which
+   24 sliding (W=1024) in 3 groups + 8 full, 8 KV heads x 128 bf16, page 16,
+   8 GiB (16384 page ids of 8 layers); 256 sequences and 8192 prompt tokens a
+   step. The same trace all-full at 8 GiB is scenario B.
+3. Decode bookkeeping per request per step with those 4 groups.
+Buffers live on torch's meta device: only bookkeeping runs.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+from pagedkv.bench.driver import replay
+from pagedkv.bench.workloads import ideal_hit_rate, shared_prefix_trace
+from pagedkv.core.context import TextContext
+from pagedkv.dtype import DeviceRef, DType
+from pagedkv.interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, group_layer_specs
+from pagedkv.interface.bridge import params_from_kv_cache_config
+from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec
+from pagedkv.manager.paged import PagedKVCacheManager
+from pagedkv.multi_params import MultiKVCacheParams
+from pagedkv.params import KVCacheParams
+
+__all__ = ["run_hybrid_bench", "format_hybrid_report", "MODELS"]
+
+GiB = 1024**3
+META = [DeviceRef.META()]
+# name -> (layer kinds as window sizes (None = full), kv heads, head_dim)
+MODELS: dict[str, tuple[list[int | None], int, int]] = {
+    "gemma3-like (48 layers, 5:1, W=1024)": ([None if (i + 1) % 6 == 0 else 1024 for i in range(48)], 8, 256),
+    "gpt-oss-like (24 layers, 1:1, W=128)": ([128 if i % 2 == 0 else None for i in range(24)], 8, 64),
+}
+
+
+def layer_specs(windows: list[int | None], heads: int, head_dim: int, page: int = 16) -> dict[str, KVCacheSpec]:
+    """One spec per layer: full attention, or a sliding window of that size."""
+    common: dict[str, Any] = dict(block_size=page, num_kv_heads=heads, head_size=head_dim, dtype=DType.bfloat16)
+    return {
+        str(i): FullAttentionSpec(**common) if w is None else SlidingWindowSpec(**common, sliding_window=w)
+        for i, w in enumerate(windows)
+    }
+
+
+def params_for(specs: dict[str, KVCacheSpec], **kwargs: Any) -> KVCacheParams | MultiKVCacheParams:
+    """The params tree of vLLM-style groups of `specs` (a single cache when there is one group)."""
+    groups = group_layer_specs(specs)
+    tree = params_from_kv_cache_config(
+        KVCacheConfig(1, [], [KVCacheGroupSpec(n, s) for n, s in groups]), META, **kwargs
+    )
+    return tree.leaves()[0] if len(groups) == 1 else tree
+
+
+def request_bytes(params: KVCacheParams | MultiKVCacheParams, context: int, chunk: int = 2048) -> int:
+    """Bytes of the pages one request holds in a decode step at `context` tokens (prefill chunked)."""
+    page_bytes = max(leaf.bytes_per_block for leaf in params.leaves())  # one page id, whichever group
+    manager = PagedKVCacheManager(params, -(-2 * context // params.page_size) * len(params.leaves()), max_batch_size=1)
+    ctx = TextContext(0, list(range(context - 1)))
+    manager.claim(0)
+    while ctx.tokens.active_length > 1 or ctx.tokens.is_chunked:
+        manager.alloc(ctx, num_scheduled_tokens=chunk)
+        if ctx.tokens.active_length > chunk:
+            ctx.tokens.chunk(chunk)
+        ctx.update(1)
+        manager.step([[ctx]])
+    manager.alloc(ctx)  # the decode step at position context - 1
+    return manager.get_num_used_pages() * page_bytes
+
+
+def minimum_bytes(windows: list[int | None], heads: int, head_dim: int, context: int) -> int:
+    """What the layers need: every token in a full layer, the last W in a window layer."""
+    per_token = 2 * heads * head_dim * 2  # K and V, bf16
+    return sum((context if w is None else min(w, context)) * per_token for w in windows)
+
+
+def memory_figures(contexts: tuple[int, ...] = (8192, 32768)) -> list[dict[str, Any]]:
+    """KV bytes per request, pagedkv vs all-full vs minimum, per model and context."""
+    rows = []
+    for name, (windows, heads, head_dim) in MODELS.items():
+        params = params_for(layer_specs(windows, heads, head_dim))
+        for context in contexts:
+            paged = request_bytes(params, context)
+            full = context * len(windows) * 2 * heads * head_dim * 2
+            minimum = minimum_bytes(windows, heads, head_dim, context)
+            rows.append({"model": name, "context": context, "paged": paged, "all_full": full, "minimum": minimum})
+    return rows
+
+
+def hit_rate_figures(num_requests: int = 2000, seed: int = 0) -> list[dict[str, Any]]:
+    """Scenario E (3 sliding groups + 1 full, 8 GiB) and B (all full, 8 GiB) on the zipf trace."""
+    trace = shared_prefix_trace(num_requests, 64, 1024, 256, 128, seed=seed, zipf=1.0)
+    ideal = ideal_hit_rate(trace, 16)
+    hybrid = params_for(layer_specs([1024] * 24 + [None] * 8, 8, 128), enable_prefix_caching=True)
+    full = params_for(layer_specs([None] * 32, 8, 128), enable_prefix_caching=True)
+    rows = []
+    for name, params, vllm in (("E: 3 SW groups + 1 full", hybrid, 0.4058), ("B: all full", full, 0.6530)):
+        pages = 8 * GiB // max(leaf.bytes_per_block for leaf in params.leaves())
+        manager = PagedKVCacheManager(params, pages, max_batch_size=256)
+        gc.collect()
+        gc.freeze()
+        stats = replay(manager, trace, max_batch_size=256, max_num_batched_tokens=8192)
+        gc.unfreeze()
+        rows.append({
+            "scenario": name, "pages": pages, "hit_rate": stats.first_admission_hit_rate, "ideal": ideal,
+            "vllm": vllm, "preemptions": stats.preemptions,
+            "decode_us": stats.micros("decode_alloc") + stats.micros("step_decode"),
+            "groups": len(params.leaves()),
+        })  # fmt: skip
+    return rows
+
+
+def run_hybrid_bench(num_requests: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """Every figure of the module docstring."""
+    return {"memory": memory_figures(), "hits": hit_rate_figures(num_requests, seed)}
+
+
+def format_hybrid_report(r: dict[str, Any]) -> str:
+    """Markdown tables of the figures."""
+    lines = [
+        "| model | context | pagedkv | all layers full | minimum | pagedkv / minimum |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m in r["memory"]:
+        lines.append(
+            f"| {m['model']} | {m['context']} | {m['paged'] / 2**20:.1f} MiB | {m['all_full'] / 2**20:.1f} MiB | "
+            f"{m['minimum'] / 2**20:.1f} MiB | {m['paged'] / m['minimum']:.3f} (target <= 1.05) |"
+        )
+    lines += ["", "| scenario (8 GiB) | page ids | hit rate | ideal | vLLM 0.33 | preemptions | decode us/request-step |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for h in r["hits"]:
+        lines.append(
+            f"| {h['scenario']} | {h['pages']} | {h['hit_rate']:.4f} | {h['ideal']:.4f} | {h['vllm']:.4f} | "
+            f"{h['preemptions']} | {h['decode_us']:.2f} |"
+        )
+    return "\n".join(lines)
