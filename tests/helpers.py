@@ -39,6 +39,9 @@ def snapshot(bm: BlockManager, *contexts: TextContext) -> dict[str, Any]:
         "hashes": list(pool._hash),
         "caches": [dict(c) for c in pool._caches],
         "groups": bytes(pool._group),
+        "pins": list(pool._pins),
+        "stamps": list(pool._stamp),
+        "reused": bytes(pool._reused),
         "reqs": reqs,
         "metrics": bm.metrics,
         "contexts": ctx_state,
@@ -49,7 +52,10 @@ def _request_state(st: Any) -> tuple[Any, ...]:
     """Every field of a BlockManager / KVCacheCoordinator request state, arrays as lists."""
     if hasattr(st, "tables"):  # a hybrid request: one table per group
         tables = [t.pages[: t.num_pages].tolist() for t in st.tables]
-        return (tables, list(st.dropped), st.committed, list(st.hashes), st.digest, st.dummy, st.ready, st.next_drop)
+        return (
+            tables, list(st.dropped), st.committed, list(st.hashes), st.digest, st.dummy, st.ready, st.next_drop,
+            st.shared, list(st.pinned),
+        )  # fmt: skip
     return (st.pages[: st.num_pages].tolist(), st.committed, list(st.hashes), st.digest, st.dummy)
 
 

@@ -33,6 +33,7 @@ _SHARED = (
     ("kv_hash_algo", "kv_hash_algo"),
     ("kv_hash_seed", "kv_hash_seed"),
     ("eviction_policy", "eviction_policy"),
+    ("protected_fraction", "protected_fraction"),
 )
 
 
@@ -128,6 +129,11 @@ class MultiKVCacheParams:
     def eviction_policy(self) -> str:
         """Eviction policy of the shared pool."""
         return self._first().eviction_policy
+
+    @property
+    def protected_fraction(self) -> float:
+        """Share of the shared pool the protected list may hold."""
+        return self._first().protected_fraction
 
     @property
     def kv_hash_seed(self) -> bytes | None:

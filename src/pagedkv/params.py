@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.params_checks import normalize_hash_seed, validate_attention_kind
 from pagedkv.symbols import KVCacheInputSymbols, ragged_symbols
-from pagedkv.validation import check_int
+from pagedkv.validation import check_eviction, check_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from pagedkv.runtime.buffers import KVCacheBuffer
@@ -102,7 +102,8 @@ class KVCacheParams:
     attention_chunk_size: int | None = None
     sink_tokens: int = 0
     is_cross_attention: bool = False
-    eviction_policy: str = "lru"
+    eviction_policy: str = "lru"  # "lru" or "slru" (never-reused cached pages are evicted first)
+    protected_fraction: float = 0.25  # pool share that may keep running requests' dropped window pages
 
     def __post_init__(self) -> None:
         self._validate_scalars()
@@ -114,8 +115,7 @@ class KVCacheParams:
         self._validate_connector()
         self._validate_quantization()
         validate_attention_kind(self)
-        if self.eviction_policy not in ("lru", "slru"):
-            raise ValueError(f"eviction_policy={self.eviction_policy!r} must be one of ('lru', 'slru')")
+        check_eviction(self.eviction_policy, self.protected_fraction)
         if self.kv_hash_algo not in HASH_ALGOS:
             raise ValueError(f"kv_hash_algo={self.kv_hash_algo!r} must be one of {HASH_ALGOS}")
         object.__setattr__(self, "kv_hash_seed", normalize_hash_seed(self.kv_hash_seed))

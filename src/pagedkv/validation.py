@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["check_int"]
+__all__ = ["EVICTION_POLICIES", "check_eviction", "check_int"]
+
+EVICTION_POLICIES = ("lru", "slru")
 
 
 def check_int(name: str, value: Any, minimum: int) -> None:
@@ -13,3 +15,13 @@ def check_int(name: str, value: Any, minimum: int) -> None:
         raise TypeError(f"{name}={value!r} must be an int")
     if value < minimum:
         raise ValueError(f"{name}={value} must be at least {minimum}")
+
+
+def check_eviction(eviction_policy: Any, protected_fraction: Any) -> None:
+    """Raise ValueError/TypeError unless both eviction settings of a page pool are valid."""
+    if eviction_policy not in EVICTION_POLICIES:
+        raise ValueError(f"eviction_policy={eviction_policy!r} must be one of {EVICTION_POLICIES}")
+    if isinstance(protected_fraction, bool) or not isinstance(protected_fraction, int | float):
+        raise TypeError(f"protected_fraction={protected_fraction!r} must be a float")
+    if not 0.0 <= protected_fraction <= 1.0:
+        raise ValueError(f"protected_fraction={protected_fraction} must be in [0, 1]")

@@ -42,7 +42,7 @@ def test_sliding_window_returns_out_of_window_pages() -> None:
     assert c.get_req_blocks("a", 1) == [N, 4, 5]
     run(c, a, [101, 102, 103])  # token 12 opened page 3 in both groups
     assert c.get_req_blocks("a", 0) == [0, 1, 2, 6] and c.get_req_blocks("a", 1) == [N, 4, 5, 7]
-    assert c.pool.num_used == 7 and c.pool.free_order()[-1] == 3  # the dropped page keeps its hash (LRU tail)
+    assert c.pool.num_used == 7 and c.pool.free_order()[-1] == 3  # the dropped page keeps its hash (protected)
     c.release("a")
     assert c.pool.num_used == 0
     c.check_integrity()

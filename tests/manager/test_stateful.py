@@ -51,11 +51,17 @@ class ManagerMachine(RuleBasedStateMachine):
         spec=st.sampled_from([0, 0, 2]),
         algo=st.sampled_from(["sha256", "sha256_64", "xxh3_128"]),
         layout=st.sampled_from(["mha", "mha-tp2", "mla-tp2", "swa", "hybrid", "hybrid-tp2"]),
+        policy=st.sampled_from(["lru", "slru"]),
+        protect=st.sampled_from([0.0, 0.25, 1.0]),
     )
-    def setup(self, page_size: int, num_pages: int, caching: bool, spec: int, algo: str, layout: str) -> None:
+    def setup(
+        self, page_size: int, num_pages: int, caching: bool, spec: int, algo: str, layout: str, policy: str,
+        protect: float,
+    ) -> None:  # fmt: skip
         self.mgr = PagedKVCacheManager(
             layout_params(layout, page_size=page_size, enable_prefix_caching=caching,
-                          num_eagle_speculative_tokens=spec, kv_hash_algo=algo),
+                          num_eagle_speculative_tokens=spec, kv_hash_algo=algo, eviction_policy=policy,
+                          protected_fraction=protect),
             num_pages, enable_runtime_checks=True, max_batch_size=64,
         )  # fmt: skip
         self.model = PrefixStampModel(self.mgr)

@@ -51,8 +51,9 @@ class BlockManager:
         num_speculative_tokens: int = 0,
         num_groups: int = 1,
         eviction_policy: str = "lru",
+        protected_fraction: float = 0.25,
     ) -> None:
-        self.pool = BlockPool(num_blocks, enable_prefix_caching, num_groups, eviction_policy)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, num_groups, eviction_policy, protected_fraction)
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_speculative_tokens = num_speculative_tokens

@@ -3,27 +3,36 @@
 Every page id in ``[0, num_blocks)`` is in exactly one state::
 
     in use     ref > 0                    held by one or more requests
-    cached     ref == 0, hash set         evictable, in the LRU list, still hittable
+    cached     ref == 0, hash set         evictable, in a free list, still hittable
     fresh      ref == 0, no hash          on the fresh stack, holds nothing reusable
 
 Page ``num_blocks`` is the null page: never handed out, never counted.
 
 Allocation takes fresh pages first (most recently freed first, so a fresh
-pool hands out 0, 1, 2, ...), then evicts cached pages from the LRU head. A
-cached page is never evicted while a fresh one exists. Freed cached pages
-join the LRU tail; callers free a request's pages tail first, so the deepest
-pages of a prefix are evicted before its head.
+pool hands out 0, 1, 2, ...), then evicts cached pages. A cached page is
+never evicted while a fresh one exists. Cached free pages sit in one of
+three lists, evicted in this order, each oldest first:
 
-A second, *protected* list holds cached pages a running request dropped out
-of its attention window: they are free (an allocation may take them) but
-evicted only after the whole LRU, and move to the LRU when their request
-ends (`release`). A running request's prefix thus stays whole in every group.
+    probation  (SLRU only) cached pages never reused since they were cached
+    LRU        the others
+    protected  pinned pages: a running request still needs them kept
 
-Storage is struct-of-arrays (26 bytes per page before any caching): int32
-ref counts, int32 prev/next links of the two lists (sentinels: the null page
-id and the one after), an int32 fresh stack, one slot per page for its hash,
-one byte for the group that cached it and one for the list it is in. Building a pool of a million pages takes
-milliseconds.
+Callers free a request's pages tail first, so the deepest pages of a prefix
+are evicted before its head.
+
+A *pin* marks a cached page that a running request no longer reads (it fell
+out of the request's attention window) but whose loss would break that
+request's prefix for later hits: the full-attention pages of the prefix stay
+held, so the window pages must stay too. A free pinned page is protected:
+evicted only after every unpinned one. Pins are counted; `unpin` at request
+end returns the page to the LRU. Each caching of a page gets a new stamp, so
+an owner's pin on a page evicted and re-cached since is recognised as stale.
+
+Storage is struct-of-arrays (about 40 bytes per page before any caching):
+int32 ref counts, pins and stamps, int32 prev/next links of the free lists,
+an int32 fresh stack, one slot per page for its hash, one byte each for the
+group that cached it, its list and its reuse bit. Building a pool of a
+million pages takes milliseconds.
 
 Hybrid models (several KV cache groups, e.g. sliding-window and full layers)
 share one pool: a page id belongs to one group at a time, and each group has
@@ -38,30 +47,34 @@ from collections.abc import Iterable, Iterator, Mapping
 import numpy as np
 
 from pagedkv.core.errors import InsufficientBlocksError
+from pagedkv.core.free_lists import LRU, NONE, PROBATION, PROTECTED, FreeLists
 from pagedkv.core.hashing import BlockHash
 from pagedkv.core.pool_checks import check_pool
-from pagedkv.validation import check_int
+from pagedkv.validation import check_eviction, check_int
 
 __all__ = ["BlockPool"]
 
-_NONE, _LRU, _PROTECTED, _PROBATION = 0, 1, 2, 3  # which free list a page is in
-EVICTION_POLICIES = ("lru", "slru")
-
 
 class BlockPool:
-    """Page ids, ref counts and the hash -> page prefix caches of one replica.
+    """Page ids, ref counts, pins and the hash -> page prefix caches of one replica.
 
     `eviction_policy`: "lru", or "slru" (segmented LRU: cached pages never reused since they were
     cached are evicted before pages that served a hit, each segment in LRU order).
+    `protected_fraction`: at most this share of the pages sits in the protected list; a pinned page
+    freed while it is full goes to the LRU like any other.
     """
 
     def __init__(
-        self, num_blocks: int, enable_prefix_caching: bool = True, num_groups: int = 1, eviction_policy: str = "lru"
+        self,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+        num_groups: int = 1,
+        eviction_policy: str = "lru",
+        protected_fraction: float = 0.25,
     ) -> None:
         check_int("num_blocks", num_blocks, 1)
         check_int("num_groups", num_groups, 1)
-        if eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction_policy={eviction_policy!r} must be one of {EVICTION_POLICIES}")
+        check_eviction(eviction_policy, protected_fraction)
         self.eviction_policy = eviction_policy
         self._slru = eviction_policy == "slru"
         n = num_blocks
@@ -69,37 +82,48 @@ class BlockPool:
         self.null_block = n
         self.enable_prefix_caching = enable_prefix_caching
         self._ref = array("i", [0]) * n
+        self._pins = array("i", [0]) * n
+        self._stamp = array("q", [0]) * n  # which caching of the page a pin refers to
+        self._next_stamp = 1  # stamps start at 1: 0 marks an uncached page
         self._hash: list[BlockHash | None] = [None] * n
         self._group = bytearray(n)  # the group whose prefix cache holds the page's hash
-        self._where = bytearray(n)  # _NONE, _LRU, _PROTECTED or _PROBATION
         self._reused = bytearray(n)  # 1 once a cached page was hit or merged into (SLRU's "frequent")
         self._caches: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
         self._cache = self._caches[0]
         self._fresh = array("i")
         self._fresh.frombytes(np.arange(n - 1, -1, -1, dtype=np.int32).tobytes())
-        self._prev = array("i", [0]) * (n + 3)
-        self._next = array("i", [0]) * (n + 3)
-        self._sentinel = (0, n, n + 1, n + 2)  # list heads, indexed by _LRU / _PROTECTED / _PROBATION
-        for s in self._sentinel[1:]:
-            self._prev[s] = self._next[s] = s  # empty circular lists
-        self._count = [0, 0, 0, 0]  # pages per list
+        self._lists = FreeLists(n)
+        self.protected_fraction = protected_fraction
+        self.max_protected = int(n * protected_fraction)  # cap on the protected list
         self.num_evictions = 0
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free(self) -> int:
-        """Pages an allocation can take: fresh plus cached-evictable (protected included)."""
-        count = self._count
-        return len(self._fresh) + count[_LRU] + count[_PROTECTED] + count[_PROBATION]
+        """Pages an allocation can take: fresh plus cached free (protected ones included)."""
+        count = self._lists.count
+        return len(self._fresh) + count[LRU] + count[PROTECTED] + count[PROBATION]
 
     @property
     def num_protected(self) -> int:
-        """Free cached pages in the protected list (evicted last)."""
-        return self._count[_PROTECTED]
+        """Free pinned pages (evicted last)."""
+        return self._lists.count[PROTECTED]
 
     def is_protected(self, page: int) -> bool:
-        """True when `page` is free in the protected list."""
-        return self._where[page] == _PROTECTED
+        """True when `page` is free and pinned."""
+        return self._lists.where[page] == PROTECTED
+
+    def is_reused(self, page: int) -> bool:
+        """True when cached `page` served a hit or a merge since it was cached."""
+        return bool(self._reused[page])
+
+    def pin_count(self, page: int) -> int:
+        """Pins on `page` (0 when none)."""
+        return self._pins[page]
+
+    def stamp(self, page: int) -> int:
+        """The caching of `page` a pin taken now refers to (changes when it is evicted and re-cached)."""
+        return self._stamp[page]
 
     @property
     def num_used(self) -> int:
@@ -146,58 +170,30 @@ class BlockPool:
 
     def free_order(self) -> list[int]:
         """The free pages in the order allocations will take them."""
-        return [
-            *reversed(self._fresh),
-            *self.list_pages(_PROBATION),
-            *self.list_pages(_LRU),
-            *self.list_pages(_PROTECTED),
-        ]
+        return [*reversed(self._fresh), *self.list_pages(PROBATION), *self.list_pages(LRU), *self.list_pages(PROTECTED)]
 
     def list_pages(self, which: int) -> Iterator[int]:
         """The pages of free list `which` (1: LRU, 2: protected, 3: SLRU probation), head first."""
-        nxt, sentinel = self._next, self._sentinel[which]
-        page = nxt[sentinel]
-        while page != sentinel:
-            yield page
-            page = nxt[page]
-
-    # ------------------------------------------------------------------ list plumbing
-    def _unlink(self, page: int) -> None:
-        prv, nxt = self._prev, self._next
-        a, b = prv[page], nxt[page]
-        nxt[a] = b
-        prv[b] = a
-        self._count[self._where[page]] -= 1
-        self._where[page] = _NONE
-
-    def _append(self, page: int, which: int) -> None:
-        prv, nxt, sentinel = self._prev, self._next, self._sentinel[which]
-        tail = prv[sentinel]
-        nxt[tail] = page
-        prv[page] = tail
-        nxt[page] = sentinel
-        prv[sentinel] = page
-        self._count[which] += 1
-        self._where[page] = which
+        return self._lists.pages(which)
 
     # ------------------------------------------------------------------ mutations
     def touch(self, pages: Iterable[int]) -> None:
         """Add a reference to each of `pages` (a prefix hit or merge: cached pages leave their free list)."""
-        ref, reused = self._ref, self._reused
+        ref, reused, lists = self._ref, self._reused, self._lists
         for page in pages:
             if ref[page] == 0:
-                self._unlink(page)
+                lists.unlink(page)
             ref[page] += 1
             reused[page] = 1
 
-    def allocate(self, n: int, protected_ok: bool = True) -> list[int]:
-        """Take `n` pages with ref 1: fresh ones first, then evict from the LRU head, then protected
-        (unless `protected_ok` is False).
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` pages with ref 1: fresh ones first, then evict (probation, then LRU).
 
-        Evicted pages lose their hash. Raises `InsufficientBlocksError` (and
-        takes nothing) when there are fewer than `n` such pages.
+        Protected pages are never taken here (see `take`). Evicted pages lose
+        their hash and their pins. Raises `InsufficientBlocksError` (and takes
+        nothing) when there are fewer than `n` such pages.
         """
-        free = self.num_free if protected_ok else self.num_free - self._count[_PROTECTED]
+        free = self.num_free - self.num_protected
         if n > free:
             raise InsufficientBlocksError(
                 f"Cannot get {n} free blocks (only {free} available)", needed=n, available=free
@@ -216,38 +212,39 @@ class BlockPool:
     def take(self, pages: list[int]) -> list[int]:
         """Evict these free cached pages (the caller's own protected ones) and hand them out with ref 1."""
         for page in pages:
-            if self._where[page] == _NONE or self._ref[page]:
+            if self._lists.where[page] == NONE or self._ref[page]:
                 raise ValueError(f"page {page} is not free and cached")
         for page in pages:
-            self._unlink(page)
-            del self._caches[self._group[page]][self._hash[page]]  # type: ignore[arg-type]
-            self._hash[page] = None
-            self._reused[page] = 0
+            self._lists.unlink(page)
+            self._uncache(page)
             self._ref[page] = 1
         self.num_evictions += len(pages)
         return list(pages)
 
     def _evict(self, n: int) -> list[int]:
-        hashes, caches, groups, nxt = self._hash, self._caches, self._group, self._next
+        lists, count = self._lists, self._lists.count
         pages = []
-        count = self._count
         for _ in range(n):
-            which = _PROBATION if count[_PROBATION] else _LRU if count[_LRU] else _PROTECTED
-            page = nxt[self._sentinel[which]]
-            self._unlink(page)
-            self._reused[page] = 0
-            del caches[groups[page]][hashes[page]]  # type: ignore[arg-type]
-            hashes[page] = None
+            page = lists.head(PROBATION if count[PROBATION] else LRU)
+            lists.unlink(page)
+            self._uncache(page)
             pages.append(page)
         self.num_evictions += n
         return pages
 
-    def free(self, pages: Iterable[int], protect: bool = False) -> None:
+    def _uncache(self, page: int) -> None:
+        del self._caches[self._group[page]][self._hash[page]]  # type: ignore[arg-type]
+        self._hash[page] = None
+        self._reused[page] = 0
+        self._pins[page] = 0
+        self._stamp[page] = 0  # pins taken on this caching are stale from now on
+
+    def free(self, pages: Iterable[int]) -> None:
         """Drop one reference from each page, in order; pages reaching 0 become free.
 
-        Cached pages go to the LRU tail (the protected tail with `protect`; under
-        SLRU, the probation tail until first reused), still hittable; others
-        to the fresh stack. The null page is ignored.
+        Cached pages go to a list tail, still hittable: protected when pinned,
+        else probation (SLRU, until first reused) or LRU; others to the fresh
+        stack. The null page is ignored.
         """
         ref, hashes, fresh, null = self._ref, self._hash, self._fresh, self.null_block
         for page in pages:
@@ -260,21 +257,49 @@ class BlockPool:
             if hashes[page] is None:
                 fresh.append(page)
             else:
-                self._append(page, _PROTECTED if protect else self._cached_list(page))
+                self._lists.append(page, self._list_for(page))
+
+    def pin(self, pages: Iterable[int], reused: bool = False) -> list[tuple[int, int]]:
+        """Pin cached `pages`; returns the (page, stamp) pairs to unpin with. Free ones become
+        protected while the list has room. `reused` marks them as having served a hit (SLRU)."""
+        pins, lists, reuse = self._pins, self._lists, self._reused
+        out = []
+        for page in pages:
+            if self._hash[page] is None:
+                raise ValueError(f"page {page} is not cached: only cached pages can be pinned")
+            pins[page] += 1
+            if reused:
+                reuse[page] = 1
+            if lists.where[page] not in (NONE, PROTECTED) and lists.count[PROTECTED] < self.max_protected:
+                lists.move(page, PROTECTED)  # (when the list is full it stays where it is)
+            out.append((page, self._stamp[page]))
+        return out
+
+    def unpin(self, pinned: Iterable[tuple[int, int]]) -> None:
+        """Drop the pins `pin` returned; stale ones (page evicted since) are ignored. A free page
+        left with no pin moves from the protected list to the tail of its cached list."""
+        pins, lists, stamps = self._pins, self._lists, self._stamp
+        for page, stamp in pinned:
+            if stamps[page] != stamp or not pins[page]:
+                continue
+            pins[page] -= 1
+            if not pins[page] and lists.where[page] == PROTECTED:
+                lists.move(page, self._list_for(page))
 
     def release(self, pages: Iterable[int], held: Iterable[bool]) -> None:
         """In one pass over `pages`: drop a reference from each held page (as `free`), and move each
-        page that is not held but sits free and cached (LRU or protected) to the LRU tail."""
-        where = self._where
+        page that is not held but sits free and cached to the tail of its list (a recency refresh)."""
+        where, lists = self._lists.where, self._lists
         for page, is_held in zip(pages, held, strict=True):
             if is_held:
                 self.free((page,))
-            elif where[page] != _NONE:
-                self._unlink(page)
-                self._append(page, self._cached_list(page))
+            elif where[page] != NONE:
+                lists.move(page, self._list_for(page))
 
-    def _cached_list(self, page: int) -> int:
-        return _PROBATION if self._slru and not self._reused[page] else _LRU
+    def _list_for(self, page: int) -> int:
+        if self._pins[page] and self._lists.count[PROTECTED] < self.max_protected:
+            return PROTECTED
+        return PROBATION if self._slru and not self._reused[page] else LRU
 
     def commit(self, page: int, block_hash: BlockHash, group: int = 0) -> int:
         """Cache the full, written `page` under `block_hash` in `group`; returns the page to use.
@@ -288,6 +313,8 @@ class BlockPool:
             cache[block_hash] = page
             self._hash[page] = block_hash
             self._group[page] = group
+            self._stamp[page] = self._next_stamp
+            self._next_stamp += 1
             return page
         if existing != page:
             self.touch((existing,))
@@ -295,24 +322,22 @@ class BlockPool:
         return existing
 
     def reset_prefix_cache(self) -> int:
-        """Forget every evictable cached page (they become fresh); returns how many.
+        """Forget every evictable unpinned cached page (they become fresh); returns how many.
 
-        Pages in use keep their hashes, so running requests still commit and hit.
+        Pages in use or pinned keep their hashes, so running requests still commit and hit.
         """
-        pages = [*self.list_pages(_LRU), *self.list_pages(_PROTECTED), *self.list_pages(_PROBATION)]
-        hashes, caches, groups = self._hash, self._caches, self._group
+        pages = [*self.list_pages(LRU), *self.list_pages(PROBATION)]
         for page in pages:
-            self._unlink(page)
-            del caches[groups[page]][hashes[page]]  # type: ignore[arg-type]
-            hashes[page] = None
-            self._reused[page] = 0
+            self._lists.unlink(page)
+            self._uncache(page)
         self._fresh.extend(reversed(pages))
         return len(pages)
 
-    def check_integrity(self, holders: Mapping[int, int]) -> None:
+    def check_integrity(self, holders: Mapping[int, int], pins: Mapping[int, int] | None = None) -> None:
         """Raise `IntegrityError` unless every page is in exactly one state (see `pool_checks`).
 
         Args:
             holders: page -> number of references the request tables hold.
+            pins: page -> live pins the requests hold (None: no pins expected).
         """
-        check_pool(self, holders)
+        check_pool(self, holders, pins or {})

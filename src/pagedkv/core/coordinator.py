@@ -10,7 +10,15 @@ atomic alloc, tail-first release) and adds, per group:
 - lazy allocation: window groups hold pages up to the active window only;
 - hits: the longest prefix that every group can resume from, i.e. the full
   groups' cached run, shortened until each window group has the pages its
-  window needs just before the resume point cached (`hit_range`).
+  window needs just before the resume point cached (`hit_range`);
+- pins: a dropped page that is prefix-cached, and a cached page a hit skips
+  because it lies before the window, is pinned while the request runs. The
+  request still holds that prefix in its full groups; were the window page
+  evicted, the prefix would be unhittable and the full pages dead weight.
+  Free pinned pages are protected (up to `protected_fraction` of the pool):
+  only their owner takes them back, and only when no other request holds
+  pages (otherwise the caller preempts). Pages never dropped below `shared`
+  (a hit or a merged commit) stay held outright.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.errors import require as _require
 from pagedkv.core.hashing import BlockHash
-from pagedkv.core.hybrid_state import _FAR, HybridRequest, Plan, check_request, prefix_misses, release_order
+from pagedkv.core.hybrid_state import _FAR, HybridRequest, Plan, check_request, find_hit, release_order
 from pagedkv.core.managers import GroupManager
 from pagedkv.core.tables import BatchTables, RequestPages, assemble_tables, check_batch, required_pages
 
@@ -44,11 +52,12 @@ class KVCacheCoordinator(BlockManager):
         hash_seed: bytes | None = None,
         num_speculative_tokens: int = 0,
         eviction_policy: str = "lru",
+        protected_fraction: float = 0.25,
     ) -> None:
         super().__init__(
             num_blocks, page_size, enable_prefix_caching=enable_prefix_caching, hash_algo=hash_algo,
             hash_seed=hash_seed, num_speculative_tokens=num_speculative_tokens, num_groups=len(groups),
-            eviction_policy=eviction_policy,
+            eviction_policy=eviction_policy, protected_fraction=protected_fraction,
         )  # fmt: skip
         self.groups = list(groups)
         self._decoder = [g for g in self.groups if g.kind != "cross"]
@@ -67,6 +76,7 @@ class KVCacheCoordinator(BlockManager):
         if st is None:
             raise ValueError(f"Attempted to release request ID {request_id!r} but it is not claimed")
         del self._reqs[request_id]
+        self.pool.unpin(st.pinned)  # type: ignore[attr-defined]
         pages, held = release_order(self, st)  # type: ignore[arg-type]
         self.pool.release(pages, held)
 
@@ -120,12 +130,13 @@ class KVCacheCoordinator(BlockManager):
             )
         hit, digest = st.committed, st.digest
         hit_pages: list[list[int]] = [[] for _ in self.groups]
+        pins: list[int] = []
         new_keys: list[BlockHash] = []
         if self.enable_prefix_caching and tokens.active_length > 1 and st.num_pages == st.committed:
             stop = (min(len(tokens), tokens.current_position) - 1) // ps
             if stop > st.committed:
                 new_keys, digest = self._more_hashes(st, ctx, stop)  # type: ignore[arg-type]
-                hit, hit_pages = self._find_hit(st, [*st.hashes, *new_keys], stop)
+                hit, hit_pages, pins = find_hit(self.groups, self.pool, st, [*st.hashes, *new_keys], stop)
         processed = max(tokens.processed_length, hit * ps)
         drops, new = [], []
         for g, gm in enumerate(self.groups):
@@ -144,67 +155,48 @@ class KVCacheCoordinator(BlockManager):
                     else min(tokens.current_position, processed + scheduled)
                 )
             new.append(max(0, required_pages(end + spec, ps) - have))
-        return Plan(hit, hit_pages, new_keys, digest, drops, new)
-
-    def _find_hit(self, st: HybridRequest, keys: list[BlockHash], stop: int) -> tuple[int, list[list[int]]]:
-        """Longest resume point in (committed, stop] valid for every cacheable group, and each group's entries."""
-        start, null, pool = st.committed, self.pool.null_block, self.pool
-        runs: dict[int, list[int]] = {}
-        top = stop
-        for g, gm in enumerate(self.groups):
-            if gm.cacheable and not gm.lazy:
-                runs[g] = pool.lookup(keys, start, stop, g)
-                top = min(top, start + len(runs[g]))
-        found: dict[int, list[int | None]] = {
-            g: [pool.cached_page(keys[i], g) for i in range(start, top)] for g, gm in enumerate(self.groups) if gm.lazy
-        }
-        misses = {g: prefix_misses(pages) for g, pages in found.items()}
-        hit = start
-        for h in range(top, start, -1):
-            if all(self._window_ok(g, h, start, misses[g]) for g in found):
-                hit = h
-                break
-        entries: list[list[int]] = []
-        for g, gm in enumerate(self.groups):
-            if g in runs:
-                entries.append(runs[g][: hit - start])
-            elif g in found:
-                lo, _ = gm.hit_range(hit)
-                kept = gm.kept_pages()
-                entries.append([p if (i >= lo or i < kept) and p is not None else null  # type: ignore[misc]
-                                for i, p in zip(range(start, hit), found[g], strict=False)])  # fmt: skip
-            else:
-                entries.append([])
-        return hit, entries
-
-    def _window_ok(self, g: int, h: int, start: int, misses: list[int]) -> bool:
-        gm = self.groups[g]
-        lo, _ = gm.hit_range(h)
-        lo = max(lo, start)
-        if misses[h - start] - misses[lo - start]:
-            return False
-        kept = min(gm.kept_pages(), h)
-        return kept <= start or misses[kept - start] == 0
+        return Plan(hit, hit_pages, new_keys, digest, drops, new, pins)
 
     def _freed_by(self, st: HybridRequest, plan: Plan) -> int:
-        null, ref = self.pool.null_block, self.pool.ref_count
+        """Pages the plan's drops free for this request to take: uncached ones (fresh stack), and
+        cached ones nobody else pins when it may recycle its own protected pages (`_alone`)."""
+        pool, null, own_ok = self.pool, self.pool.null_block, self._alone(st)
         count = 0
         for g, (lo, hi) in enumerate(plan.drops):
             pages = st.tables[g].pages
-            count += sum(
-                1 for i in range(lo, min(hi, st.tables[g].num_pages)) if pages[i] != null and ref(int(pages[i])) == 1
-            )
+            for i in range(lo, min(hi, st.tables[g].num_pages)):
+                page = int(pages[i])
+                if page != null and pool.ref_count(page) == 1:
+                    count += pool.block_hash(page) is None or (own_ok and pool.pin_count(page) == 0)
         return count
 
     def _available(self, st: HybridRequest, plan: Plan) -> int:
-        """Pages this alloc may take: fresh, LRU and probation ones, plus the request's own protected
-        pages (out-of-window pages it dropped, including this alloc's drops). Other requests'
-        protected pages are never taken: they keep running requests' prefixes whole."""
-        pool, null = self.pool, self.pool.null_block
+        """A lower bound on what `_take` finds once the plan's hits, pins and drops are applied:
+        free unprotected pages, minus the free hits it takes out and the free pages its pins may
+        move to the protected list, plus `_freed_by` and its own protected pages (`_own`)."""
+        pool, null, own_ok = self.pool, self.pool.null_block, self._alone(st)
         hits = {p for pages in plan.hit_pages for p in pages if p != null}
-        own = sum(1 for p in st.protected if pool.is_protected(p) and p not in hits)
-        open_hits = sum(1 for p in hits if pool.ref_count(p) == 0 and not pool.is_protected(p))
-        return pool.num_free - pool.num_protected - open_hits + own + self._freed_by(st, plan)
+        lost = sum(1 for p in hits if pool.ref_count(p) == 0 and not pool.is_protected(p))
+        lost += sum(
+            1
+            for p in plan.pins  # a page only st pins stays takeable when own_ok
+            if pool.ref_count(p) == 0 and not pool.is_protected(p) and not (own_ok and pool.pin_count(p) == 0)
+        )
+        return pool.num_free - pool.num_protected - lost + self._freed_by(st, plan) + len(self._own(st))
+
+    def _alone(self, st: HybridRequest) -> bool:
+        """True when no other request holds pages: only then does `st` recycle its own protected
+        pages (otherwise the caller preempts, which keeps every cached prefix whole)."""
+        return not any(o is not st and o.num_pages for o in self._reqs.values())  # type: ignore[attr-defined]
+
+    def _own(self, st: HybridRequest) -> list[int]:
+        """Free protected pages only `st` pins, deepest first, when `_alone`; else none."""
+        pool = self.pool
+        if not st.pinned or not self._alone(st):
+            return []
+        return [
+            p for p, s in reversed(st.pinned) if pool.stamp(p) == s and pool.is_protected(p) and pool.pin_count(p) == 1
+        ]
 
     def _evictable_hits(self, plan: Plan) -> int:
         null = self.pool.null_block
@@ -220,6 +212,7 @@ class KVCacheCoordinator(BlockManager):
             for g, pages in enumerate(plan.hit_pages):
                 self.pool.touch(p for p in pages if p != null)
                 st.tables[g].append(pages)
+            st.pinned.extend(self.pool.pin(plan.pins, reused=True))
             st.committed = plan.hit
             st.shared = max(st.shared, plan.hit)
             skip = plan.hit * ps - processed
@@ -234,22 +227,23 @@ class KVCacheCoordinator(BlockManager):
             freed.extend(int(table[i]) for i in range(lo, min(hi, st.tables[g].num_pages)) if table[i] != null)
             table[lo : min(hi, st.tables[g].num_pages)] = null
             st.dropped[g] = max(st.dropped[g], hi)
-        self.pool.free(reversed(freed), protect=True)  # kept whole until the request ends
-        protected = self.pool.is_protected
-        st.protected = [p for p in (*st.protected, *freed) if protected(p)]
+        cached = self.pool.block_hash
+        st.pinned.extend(self.pool.pin(p for p in freed if cached(p) is not None))  # prefix kept whole
+        self.pool.free(reversed(freed))
         for g, n in enumerate(plan.new):
             if n:
                 st.tables[g].append(self._take(st, n))
         self._refresh(st)
 
     def _take(self, st: HybridRequest, n: int) -> list[int]:
-        """`n` pages: fresh, probation and LRU first, then the oldest of the request's own protected."""
+        """`n` pages: fresh, probation and LRU ones first, then `st`'s own protected ones."""
         pool = self.pool
         k = min(n, pool.num_free - pool.num_protected)
-        pages = pool.allocate(k, protected_ok=False) if k else []
+        pages = pool.allocate(k) if k else []
         if k < n:
-            own, st.protected = st.protected[: n - k], st.protected[n - k :]
-            pages.extend(pool.take(own))
+            pages.extend(pool.take(self._own(st)[: n - k]))
+            st.pinned = [(p, s) for p, s in st.pinned if pool.stamp(p) == s]
+        _require(len(pages) == n, f"took {len(pages)} of {n} pages the capacity check promised")
         return pages
 
     def _refresh(self, st: HybridRequest) -> None:
@@ -331,13 +325,15 @@ class KVCacheCoordinator(BlockManager):
 
     def check_integrity(self) -> None:
         """Raise `IntegrityError` unless pool, prefix caches and every group's tables agree."""
-        null = self.pool.null_block
+        null, stamp = self.pool.null_block, self.pool.stamp
         holders: Counter[int] = Counter()
+        pins: Counter[int] = Counter()
         for rid, st in self._reqs.items():
             hst: HybridRequest = st  # type: ignore[assignment]
+            pins.update(p for p, s in hst.pinned if stamp(p) == s)
             _require(hst.committed <= len(hst.hashes) or not self.enable_prefix_caching,
                      f"request {rid!r}: committed={hst.committed} exceeds its hashes")  # fmt: skip
             for table in hst.tables:
                 holders.update(p for p in table.pages[: table.num_pages].tolist() if p != null)
             check_request(self, rid, hst)
-        self.pool.check_integrity(holders)
+        self.pool.check_integrity(holders, pins)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -10,9 +11,11 @@ from pagedkv.core.hashing import BlockHash
 from pagedkv.core.tables import RequestPages
 
 if TYPE_CHECKING:  # pragma: no cover
+    from pagedkv.core.block_pool import BlockPool
     from pagedkv.core.coordinator import KVCacheCoordinator
+    from pagedkv.core.managers import GroupManager
 
-__all__ = ["HybridRequest", "Plan", "check_request", "prefix_misses", "release_order"]
+__all__ = ["HybridRequest", "Plan", "check_request", "find_hit", "prefix_misses", "release_order"]
 
 _FAR = 1 << 62
 
@@ -25,7 +28,7 @@ class HybridRequest:
     dropped: list[int]  # per group: entries [kept, dropped) are null (returned to the pool) unless shared
     committed: int = 0  # leading logical pages committed in every cacheable group
     shared: int = 0  # leading pages this request shares with the cache (hit or merged): never dropped
-    protected: list[int] = field(default_factory=list)  # pages it dropped into the protected list
+    pinned: list[tuple[int, int]] = field(default_factory=list)  # (page, stamp) pins on its out-of-window pages
     hashes: list[BlockHash] = field(default_factory=list)
     digest: bytes = b""
     dummy: bool = False
@@ -48,6 +51,7 @@ class Plan:
     digest: bytes
     drops: list[tuple[int, int]]  # per group: entry range to null out
     new: list[int]  # per group: pages to allocate
+    pins: list[int]  # cached pages of the hit out of the window: pinned, not held
 
 
 def check_request(coordinator: KVCacheCoordinator, rid: object, st: HybridRequest) -> None:
@@ -103,3 +107,50 @@ def release_order(coordinator: KVCacheCoordinator, st: HybridRequest) -> tuple[l
                     pages.append(page)
                     held.append(False)
     return pages, held
+
+
+def find_hit(
+    groups: Sequence[GroupManager], pool: BlockPool, st: HybridRequest, keys: list[BlockHash], stop: int
+) -> tuple[int, list[list[int]], list[int]]:
+    """Longest resume point in (committed, stop] valid for every cacheable group, each group's
+    entries (null out of the window), and the cached pages out of the window (to pin)."""
+    start, null = st.committed, pool.null_block
+    runs: dict[int, list[int]] = {}
+    top = stop
+    for g, gm in enumerate(groups):
+        if gm.cacheable and not gm.lazy:
+            runs[g] = pool.lookup(keys, start, stop, g)
+            top = min(top, start + len(runs[g]))
+    found: dict[int, list[int | None]] = {
+        g: [pool.cached_page(keys[i], g) for i in range(start, top)] for g, gm in enumerate(groups) if gm.lazy
+    }
+    misses = {g: prefix_misses(pages) for g, pages in found.items()}
+    hit = start
+    for h in range(top, start, -1):
+        if all(_window_ok(groups[g], h, start, misses[g]) for g in found):
+            hit = h
+            break
+    entries: list[list[int]] = []
+    pins: list[int] = []
+    for g, gm in enumerate(groups):
+        if g in runs:
+            entries.append(runs[g][: hit - start])
+        elif g in found:
+            lo, _ = gm.hit_range(hit)
+            kept = gm.kept_pages()
+            row = found[g][: hit - start]
+            needed = [i >= lo or i < kept for i in range(start, hit)]
+            entries.append([p if need and p is not None else null for p, need in zip(row, needed, strict=True)])
+            pins.extend(p for p, need in zip(row, needed, strict=True) if not need and p is not None)
+        else:
+            entries.append([])
+    return hit, entries, pins
+
+
+def _window_ok(gm: GroupManager, h: int, start: int, misses: list[int]) -> bool:
+    lo, _ = gm.hit_range(h)
+    lo = max(lo, start)
+    if misses[h - start] - misses[lo - start]:
+        return False
+    kept = min(gm.kept_pages(), h)
+    return kept <= start or misses[kept - start] == 0

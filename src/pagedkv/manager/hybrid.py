@@ -44,7 +44,7 @@ def make_block_manager(params: KVCacheParamInterface, total_num_pages: int) -> B
     kwargs: dict[str, Any] = dict(
         enable_prefix_caching=params.enable_prefix_caching, hash_algo=params.kv_hash_algo,
         hash_seed=params.kv_hash_seed, num_speculative_tokens=params.num_eagle_speculative_tokens,
-        eviction_policy=params.eviction_policy,
+        eviction_policy=params.eviction_policy, protected_fraction=params.protected_fraction,
     )  # fmt: skip
     if not is_hybrid(params):
         return BlockManager(total_num_pages, params.page_size, **kwargs)
