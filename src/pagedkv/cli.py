@@ -1,4 +1,4 @@
-"""The `pagedkv` command: `pagedkv demo`, `pagedkv bench manager`."""
+"""The `pagedkv` command: `pagedkv demo` and `pagedkv bench {manager,attention,triton,fp8,engine,hybrid}`."""
 
 from __future__ import annotations
 
@@ -51,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
     eng.add_argument("--repeats", type=int, default=3)
     eng.add_argument("--seed", type=int, default=0)
     eng.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    hyb = kinds.add_parser("hybrid", help="KV bytes, prefix hit rate and decode cost of mixed-attention models")
+    hyb.add_argument("--requests", type=int, default=2000, help="requests of the zipf hit-rate trace")
+    hyb.add_argument("--seed", type=int, default=0)
+    hyb.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     return parser
 
 
@@ -84,6 +88,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(1)
         result = run_fp8_bench(num_requests=args.requests, new_tokens=args.steps)
         return _report(format_fp8_report(result), result, args.json)
+    if args.bench == "hybrid":
+        from pagedkv.bench.hybrid_bench import format_hybrid_report, run_hybrid_bench
+
+        result = run_hybrid_bench(num_requests=args.requests, seed=args.seed)
+        return _report(format_hybrid_report(result), result, args.json)
     if args.bench == "engine":
         import torch
 

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.context import TextContext
+from pagedkv.core.coordinator_pages import PageSource
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.errors import require as _require
 from pagedkv.core.hashing import BlockHash
@@ -38,7 +39,7 @@ from pagedkv.core.tables import BatchTables, RequestPages, assemble_tables, chec
 __all__ = ["KVCacheCoordinator"]
 
 
-class KVCacheCoordinator(BlockManager):
+class KVCacheCoordinator(PageSource, BlockManager):
     """Request tables, prefix caching and metrics of one replica, over `groups` sharing a pool."""
 
     def __init__(
@@ -62,6 +63,8 @@ class KVCacheCoordinator(BlockManager):
         self.groups = list(groups)
         self._decoder = [g for g in self.groups if g.kind != "cross"]
         self._windowed = [g for g in self.groups if g.lazy]
+        self._decoder_ids = [g.group for g in self._decoder]
+        self._cacheable_ids = [g.group for g in self.groups if g.cacheable]
 
     def claim(self, request_id: object, *, dummy: bool = False) -> None:
         """Start tracking `request_id` (no pages yet). A dummy maps to the null page only."""
@@ -100,6 +103,8 @@ class KVCacheCoordinator(BlockManager):
             self._input_tokens += 1
             return
         hst: HybridRequest = self._claimed(ctx.request_id)  # type: ignore[assignment]
+        if tokens._end - tokens._processed == 1 and self._decode_step(hst, tokens._len, tokens._processed):
+            return
         plan = self._plan_alloc(hst, ctx, num_scheduled_tokens)
         need = sum(plan.new)
         if need:
@@ -145,58 +150,15 @@ class KVCacheCoordinator(BlockManager):
                 drops.append((0, 0))
                 new.append(required_pages(ctx.encoder_length, ps) if have == 0 else 0)
                 continue
+            if not gm.lazy:  # full attention: every page stays
+                drops.append((0, 0))
+                new.append(max(0, required_pages(len(tokens) + spec, ps) - have))
+                continue
             keep = max(st.dropped[g], st.shared, hit if hit > st.committed else 0)  # shared pages stay
             drops.append((keep, max(st.dropped[g], keep, min(gm.droppable_pages(processed), have))))
-            end = len(tokens)
-            if gm.lazy:
-                end = (
-                    tokens.current_position
-                    if scheduled is None
-                    else min(tokens.current_position, processed + scheduled)
-                )
+            end = tokens.current_position if scheduled is None else min(tokens.current_position, processed + scheduled)
             new.append(max(0, required_pages(end + spec, ps) - have))
         return Plan(hit, hit_pages, new_keys, digest, drops, new, pins)
-
-    def _freed_by(self, st: HybridRequest, plan: Plan) -> int:
-        """Pages the plan's drops free for this request to take: uncached ones (fresh stack), and
-        cached ones nobody else pins when it may recycle its own protected pages (`_alone`)."""
-        pool, null, own_ok = self.pool, self.pool.null_block, self._alone(st)
-        count = 0
-        for g, (lo, hi) in enumerate(plan.drops):
-            pages = st.tables[g].pages
-            for i in range(lo, min(hi, st.tables[g].num_pages)):
-                page = int(pages[i])
-                if page != null and pool.ref_count(page) == 1:
-                    count += pool.block_hash(page) is None or (own_ok and pool.pin_count(page) == 0)
-        return count
-
-    def _available(self, st: HybridRequest, plan: Plan) -> int:
-        """A lower bound on what `_take` finds once the plan's hits, pins and drops are applied:
-        free unprotected pages, minus the free hits it takes out and the free pages its pins may
-        move to the protected list, plus `_freed_by` and its own protected pages (`_own`)."""
-        pool, null, own_ok = self.pool, self.pool.null_block, self._alone(st)
-        hits = {p for pages in plan.hit_pages for p in pages if p != null}
-        lost = sum(1 for p in hits if pool.ref_count(p) == 0 and not pool.is_protected(p))
-        lost += sum(
-            1
-            for p in plan.pins  # a page only st pins stays takeable when own_ok
-            if pool.ref_count(p) == 0 and not pool.is_protected(p) and not (own_ok and pool.pin_count(p) == 0)
-        )
-        return pool.num_free - pool.num_protected - lost + self._freed_by(st, plan) + len(self._own(st))
-
-    def _alone(self, st: HybridRequest) -> bool:
-        """True when no other request holds pages: only then does `st` recycle its own protected
-        pages (otherwise the caller preempts, which keeps every cached prefix whole)."""
-        return not any(o is not st and o.num_pages for o in self._reqs.values())  # type: ignore[attr-defined]
-
-    def _own(self, st: HybridRequest) -> list[int]:
-        """Free protected pages only `st` pins, deepest first, when `_alone`; else none."""
-        pool = self.pool
-        if not st.pinned or not self._alone(st):
-            return []
-        return [
-            p for p, s in reversed(st.pinned) if pool.stamp(p) == s and pool.is_protected(p) and pool.pin_count(p) == 1
-        ]
 
     def _evictable_hits(self, plan: Plan) -> int:
         null = self.pool.null_block
@@ -235,21 +197,12 @@ class KVCacheCoordinator(BlockManager):
                 st.tables[g].append(self._take(st, n))
         self._refresh(st)
 
-    def _take(self, st: HybridRequest, n: int) -> list[int]:
-        """`n` pages: fresh, probation and LRU ones first, then `st`'s own protected ones."""
-        pool = self.pool
-        k = min(n, pool.num_free - pool.num_protected)
-        pages = pool.allocate(k) if k else []
-        if k < n:
-            pages.extend(pool.take(self._own(st)[: n - k]))
-            st.pinned = [(p, s) for p, s in st.pinned if pool.stamp(p) == s]
-        _require(len(pages) == n, f"took {len(pages)} of {n} pages the capacity check promised")
-        return pages
-
     def _refresh(self, st: HybridRequest) -> None:
-        ps = self.page_size
-        st.ready = min((st.tables[g.group].num_pages * ps for g in self._decoder), default=_FAR)
-        st.next_drop = min((g.drop_threshold(st.dropped[g.group]) for g in self._windowed), default=_FAR)
+        tables = st.tables
+        st.ready = (
+            min([tables[g].num_pages for g in self._decoder_ids], default=_FAR // self.page_size) * self.page_size
+        )
+        st.next_drop = min([g.drop_threshold(st.dropped[g.group]) for g in self._windowed], default=_FAR)
 
     # ----------------------------------------------------------------- step
     def step_batch(self, batch: Iterable[TextContext]) -> None:
@@ -270,13 +223,12 @@ class KVCacheCoordinator(BlockManager):
         if n_commit > len(st.hashes):
             keys, st.digest = self._more_hashes(st, ctx, n_commit)  # type: ignore[arg-type]
             st.hashes.extend(keys)
-        null, commit = self.pool.null_block, self.pool.commit
-        for g, gm in enumerate(self.groups):
-            if not gm.cacheable:
-                continue
+        null, commit, lo = self.pool.null_block, self.pool.commit, st.committed
+        for g in self._cacheable_ids:
             table = st.tables[g]
-            for i in range(st.committed, min(n_commit, table.num_pages)):
-                page = int(table.pages[i])
+            hi = min(n_commit, table.num_pages)
+            pages = [int(table.pages[lo])] if hi == lo + 1 else table.pages[lo:hi].tolist()
+            for i, page in enumerate(pages, lo):
                 if page != null:
                     used = commit(page, st.hashes[i], g)
                     if used != page:  # merged into a cached copy: this prefix is shared

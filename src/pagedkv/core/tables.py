@@ -38,6 +38,15 @@ class RequestPages:
         self.pages[n : n + k] = new_pages
         self.num_pages = n + k
 
+    def push(self, page: int) -> None:
+        """Add one page at the end (a decode step's: an item store is several times cheaper)."""
+        n = self.num_pages
+        if n < len(self.pages):
+            self.pages[n] = page
+            self.num_pages = n + 1
+        else:
+            self.append((page,))
+
 
 @dataclass(frozen=True, eq=False)
 class BatchTables:
