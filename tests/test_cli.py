@@ -50,3 +50,18 @@ def test_engine_demo_and_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str
     result = json.loads(path.read_text())
     assert result["same_outputs"] and result["prefill_tokens_skipped"] > 0
     assert result["prefill_tokens_computed_off"] == result["prompt_tokens_off"]  # nothing reused without caching
+
+
+def test_hybrid_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "hybrid.json"
+    assert main(["bench", "hybrid", "--requests", "40", "--repeats", "1", "--json", str(path)]) == 0
+    assert "| gemma3-like (48 layers, 5:1, W=1024) | 8192 | 832.0 MiB | 3072.0 MiB | 832.0 MiB | 1.000" in (
+        capsys.readouterr().out
+    )
+    result = json.loads(path.read_text())
+    assert [m["paged"] == m["minimum"] < m["all_full"] for m in result["memory"]] == [True] * 4
+    hits = {(h["scenario"][0], h["policy"], h["protected_fraction"]): h for h in result["hits"]}
+    assert (
+        hits["E", "slru", 0.25]["hit_rate"] == hits["B", "slru", 0.25]["hit_rate"] <= hits["B", "slru", 0.25]["ideal"]
+    )
+    assert [d["decode_us"] > 0 for d in result["decode"]] == [True, True]

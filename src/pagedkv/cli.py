@@ -54,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     hyb = kinds.add_parser("hybrid", help="KV bytes, prefix hit rate and decode cost of mixed-attention models")
     hyb.add_argument("--requests", type=int, default=2000, help="requests of the zipf hit-rate trace")
     hyb.add_argument("--seed", type=int, default=0)
+    hyb.add_argument("--repeats", type=int, default=5, help="alternated decode runs; the best of each is kept")
     hyb.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     return parser
 
@@ -91,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.bench == "hybrid":
         from pagedkv.bench.hybrid_bench import format_hybrid_report, run_hybrid_bench
 
-        result = run_hybrid_bench(num_requests=args.requests, seed=args.seed)
+        result = run_hybrid_bench(num_requests=args.requests, seed=args.seed, repeats=args.repeats)
         return _report(format_hybrid_report(result), result, args.json)
     if args.bench == "engine":
         import torch
