@@ -108,6 +108,8 @@ def test_cross_attention_pages_once_per_request() -> None:
     tables = c.build_group_tables([a])
     assert tables[1].cache_lengths.tolist() == [9] and tables[1].lookup_table[0, :4].tolist() == [1, 2, 3, N]
     assert tables[0].cache_lengths.tolist() == [5]
+    assert (tables[1].max_prompt_length, tables[1].max_cache_length) == (1, 9)  # one decoder query, 9 encoder keys
+    assert (tables[0].max_prompt_length, tables[0].max_cache_length) == (1, 6)
     assert c.pool.ref_count(1) == 1 and c.pool.block_hash(1) is None  # never prefix-cached
     c.check_integrity()
 

@@ -23,6 +23,7 @@ atomic alloc, tail-first release) and adds, per group:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -252,7 +253,8 @@ class KVCacheCoordinator(PageSource, BlockManager):
         return max(0, sum(plan.new) - self._freed_by(st, plan)), self._evictable_hits(plan)
 
     def build_group_tables(self, batch: list[TextContext], max_cache_length: int | None = None) -> list[BatchTables]:
-        """One `BatchTables` per group (cross-attention: encoder pages and lengths). No side effects."""
+        """One `BatchTables` per group. Cross-attention tables hold the encoder's pages and lengths;
+        their `max_prompt_length` is the decoder's query length. No side effects."""
         states: list[HybridRequest] = check_batch(self._reqs, batch)
         ps, spec = self.page_size, self.num_speculative_tokens
         out = []
@@ -268,7 +270,11 @@ class KVCacheCoordinator(PageSource, BlockManager):
                 rows.append((ctx.request_id, st.tables[g], 0 if st.dummy else required_pages(slots, ps)))
                 lengths.append(cached)
                 ends.append(end)
-            out.append(assemble_tables(rows, lengths, ends, ps, self.pool.null_block, max_cache_length))
+            tables = assemble_tables(rows, lengths, ends, ps, self.pool.null_block, max_cache_length)
+            if gm.kind == "cross":  # the queries are the decoder's: its longest active window
+                queries = max((c.tokens.current_position - c.tokens.processed_length for c in batch), default=0)
+                tables = dataclasses.replace(tables, max_prompt_length=queries)
+            out.append(tables)
         return out
 
     def build_tables(self, batch: list[TextContext], max_cache_length: int | None = None) -> BatchTables:
