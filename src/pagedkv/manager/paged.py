@@ -26,6 +26,9 @@ from pagedkv.core.context import RequestID, TextContext
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.tables import BatchTables
+from pagedkv.dtype import DeviceRef
+from pagedkv.interface.bridge import params_from_kv_cache_config
+from pagedkv.interface.config import KVCacheConfig
 from pagedkv.manager import hybrid
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params import KVCacheParams, KVConnectorType
@@ -92,6 +95,25 @@ class PagedKVCacheManager:
         pages = memory.compute_num_device_blocks(params, available_cache_memory, max_batch_size, max_seq_len)
         host_pages = memory.compute_num_host_blocks(params)
         return cls(params, pages, host_pages, enable_runtime_checks, max_batch_size=max_batch_size)
+
+    @classmethod
+    def from_kv_cache_config(
+        cls,
+        config: KVCacheConfig,
+        devices: Sequence[DeviceRef],
+        *,
+        max_batch_size: int,
+        enable_runtime_checks: bool = False,
+        **params_kwargs: Any,
+    ) -> PagedKVCacheManager:
+        """A manager for vLLM's `KVCacheConfig` (e.g. from `get_kv_cache_config`): one group per
+        `KVCacheGroupSpec`, `config.num_blocks` page ids shared by all. `params_kwargs` go to every
+        group's `KVCacheParams` (``enable_prefix_caching=True``, ``eviction_policy="slru"``, ...)."""
+        if not isinstance(config, KVCacheConfig):
+            raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        params = params_from_kv_cache_config(config, devices, **params_kwargs)
+        tree: KVCacheParamInterface = params.leaves()[0] if len(config.kv_cache_groups) == 1 else params
+        return cls(tree, config.num_blocks, 0, enable_runtime_checks, max_batch_size=max_batch_size)
 
     # ----------------------------------------------------------------- request lifecycle
     def _bm(self, replica_idx: int) -> BlockManager:
