@@ -18,6 +18,7 @@ _EXPORTS = {
     "KVCacheParams": "pagedkv.params",
     "KVCacheQuantizationConfig": "pagedkv.params",
     "KVConnectorType": "pagedkv.params",
+    "KVConnectorConfig": "pagedkv.connector_config",
     "MultiKVCacheParams": "pagedkv.multi_params",
     "TensorSpec": "pagedkv.symbols",
     "KVCacheInputSymbols": "pagedkv.symbols",
@@ -68,6 +69,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from pagedkv.connector_config import KVConnectorConfig
     from pagedkv.core.block_manager import BlockManager
     from pagedkv.core.block_pool import BlockPool
     from pagedkv.core.context import TextContext, TokenBuffer

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.dtype import DeviceRef
 from pagedkv.params import KVCacheParams, KVConnectorType
@@ -109,6 +109,11 @@ class MultiKVCacheParams:
     def kv_connector(self) -> KVConnectorType | None:
         """Connector type (shared)."""
         return self._first().kv_connector
+
+    @property
+    def kv_connector_config(self) -> Any:
+        """Settings of the tiers below the device (shared)."""
+        return self._first().kv_connector_config
 
     @property
     def host_kvcache_swap_space_gb(self) -> float | None:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.params_checks import normalize_hash_seed, validate_attention_kind
 from pagedkv.symbols import KVCacheInputSymbols, ragged_symbols
@@ -86,7 +87,7 @@ class KVCacheParams:
     devices: Sequence[DeviceRef]
     enable_prefix_caching: bool = False
     kv_connector: KVConnectorType | None = None
-    kv_connector_config: Any = None
+    kv_connector_config: KVConnectorConfig | None = None
     host_kvcache_swap_space_gb: float | None = None
     page_size: int = 128
     is_mla: bool = False
@@ -180,6 +181,13 @@ class KVCacheParams:
                 raise ValueError(f"kv_connector={connector.value} requires prefix caching to be enabled")
         if connector in (KVConnectorType.local, KVConnectorType.tiered) and swap is None:
             raise ValueError(f"kv_connector={connector.value} requires host_kvcache_swap_space_gb to be set")
+        config = self.kv_connector_config
+        if config is not None and not isinstance(config, KVConnectorConfig):
+            raise TypeError(f"kv_connector_config={config!r} must be a KVConnectorConfig or None")
+        if connector is KVConnectorType.tiered and (config is None or config.disk_offload_dir is None):
+            raise ValueError("kv_connector=tiered requires kv_connector_config=KVConnectorConfig(disk_offload_dir=...)")
+        if connector is KVConnectorType.redis and (config is None or config.redis_url is None):
+            raise ValueError("kv_connector=redis requires kv_connector_config=KVConnectorConfig(redis_url=...)")
 
     def _validate_quantization(self) -> None:
         qc = self.kvcache_quant_config

@@ -56,11 +56,8 @@ def test_constructor_and_argument_errors() -> None:
         PagedKVCacheManager(p, 0, max_batch_size=1)
     with pytest.raises(ValueError, match="max_batch_size=0 must be at least 1"):
         PagedKVCacheManager(p, 4, max_batch_size=0)
-    with pytest.raises(ValueError, match="total_num_host_pages=3 needs a local or tiered kv_connector"):
+    with pytest.raises(ValueError, match="total_num_host_pages=3 needs a local, tiered or redis kv_connector"):
         PagedKVCacheManager(p, 4, 3, max_batch_size=1)
-    local = make_params(enable_prefix_caching=True, kv_connector="local", host_kvcache_swap_space_gb=1)
-    with pytest.raises(ValueError, match="kv_connector=local: this pagedkv version has no host/disk/redis tiers yet"):
-        PagedKVCacheManager(local, 4, max_batch_size=1)
     mgr = paged()
     for bad in (1, -1, True, "0"):
         with pytest.raises(ValueError, match=r"replica_idx=.* must be an int in \[0, 1\)"):

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
+from pagedkv.core.block_hooks import BlockHooks
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.context import RequestID, TextContext
 from pagedkv.core.errors import InsufficientBlocksError
@@ -62,6 +63,7 @@ class BlockManager:
         self._input_tokens = 0
         self._cache_tokens = 0
         self._evictions_at_reset = 0
+        self.hooks = BlockHooks()
 
     # ------------------------------------------------------------------ lifecycle
     def claim(self, request_id: RequestID, *, dummy: bool = False) -> None:
@@ -122,6 +124,8 @@ class BlockManager:
             st.hashes.extend(new_keys)
             st.digest = digest
         processed = tokens.processed_length
+        # the tiers below are asked exactly when the device prefix cache was (see `_plan`)
+        tier_lookup = self.enable_prefix_caching and tokens.active_length > 1 and st.num_pages == st.committed
         if hits:
             self.pool.touch(hits)
             st.append(hits)
@@ -129,11 +133,29 @@ class BlockManager:
             skip = st.committed * self.page_size - processed
             tokens.skip_processing(skip)
             self._cache_tokens += skip
+        if need > 0:
+            st.append(self.pool.allocate(need))
+            if tier_lookup and self.hooks.loader is not None and len(st.hashes) > st.committed:
+                self._from_tiers(st, ctx)
         if processed == 0:
             ctx.cached_prefix_length = tokens.processed_length
         self._input_tokens += tokens.active_length
-        if need > 0:
-            st.append(self.pool.allocate(need))
+
+    def _from_tiers(self, st: RequestPages, ctx: TextContext) -> None:
+        """Fill the new pages after the device hits from the tiers below; commit them as hits."""
+        first, keys = st.committed, st.hashes[st.committed :]
+        pages = st.pages[first : first + len(keys)].tolist()
+        n = self.hooks.loader(pages, keys) if keys and self.hooks.loader else 0
+        for i in range(n):
+            used = self.pool.commit(pages[i], keys[i])
+            if used != pages[i]:  # a copy of this prefix page is cached already: share it
+                st.pages[first + i] = used
+        if n:
+            st.committed += n
+            ctx.tokens.skip_processing(n * self.page_size)
+            self._cache_tokens += n * self.page_size
+            if self.hooks.emit is not None:
+                self.hooks.committed(st.hashes, first, first + n, ctx.tokens.all, self.page_size)
 
     def step(self, ctx: TextContext) -> None:
         """Commit the full pages of ``ctx`` whose KV is written (no-op without prefix caching or for a dummy)."""
@@ -158,13 +180,15 @@ class BlockManager:
         if n_commit > len(st.hashes):
             keys, st.digest = self._more_hashes(st, ctx, n_commit)
             st.hashes.extend(keys)
-        commit, pages, hashes = self.pool.commit, st.pages, st.hashes
-        for i in range(st.committed, n_commit):
+        commit, pages, hashes, first = self.pool.commit, st.pages, st.hashes, st.committed
+        for i in range(first, n_commit):
             page = int(pages[i])
             used = commit(page, hashes[i])
             if used != page:
                 pages[i] = used
-        st.committed = max(st.committed, n_commit)
+        st.committed = max(first, n_commit)
+        if n_commit > first and (self.hooks.offloads is not None or self.hooks.emit is not None):
+            self.hooks.committed(hashes, first, n_commit, ctx.tokens.all, self.page_size)
 
     # ------------------------------------------------------------------ planning
     def _claimed(self, request_id: RequestID) -> RequestPages:

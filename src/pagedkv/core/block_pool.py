@@ -42,7 +42,7 @@ its own prefix cache (the same prefix hash maps to a different page in each).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -96,6 +96,7 @@ class BlockPool:
         self.protected_fraction = protected_fraction
         self.max_protected = int(n * protected_fraction)  # cap on the protected list
         self.num_evictions = 0
+        self.on_removed: Callable[[BlockHash, int], None] | None = None  # (hash, group) of each page forgotten
 
     # ------------------------------------------------------------------ queries
     @property
@@ -233,6 +234,8 @@ class BlockPool:
         return pages
 
     def _uncache(self, page: int) -> None:
+        if self.on_removed is not None:
+            self.on_removed(self._hash[page], self._group[page])  # type: ignore[arg-type]
         del self._caches[self._group[page]][self._hash[page]]  # type: ignore[arg-type]
         self._hash[page] = None
         self._reused[page] = 0

@@ -98,9 +98,11 @@ def host_bytes_per_block(params: KVCacheParamInterface) -> int:
     )
 
 
-def compute_num_host_blocks(params: KVCacheParamInterface) -> int:
-    """Host pages per replica for `host_kvcache_swap_space_gb` (0 without a local/tiered connector)."""
-    if params.kv_connector not in (KVConnectorType.local, KVConnectorType.tiered):
+def compute_num_host_blocks(params: KVCacheParamInterface, any_connector: bool = False) -> int:
+    """Host pages per replica for `host_kvcache_swap_space_gb` (0 without a local/tiered connector;
+    with `any_connector`, also for a redis connector when the swap space is set)."""
+    kinds = (KVConnectorType.local, KVConnectorType.tiered, KVConnectorType.redis)[: 3 if any_connector else 2]
+    if params.kv_connector not in kinds or params.host_kvcache_swap_space_gb is None:
         return 0
     swap = params.host_kvcache_swap_space_gb
     assert swap is not None  # guaranteed by KVCacheParams validation

@@ -30,6 +30,7 @@ from pagedkv.dtype import DeviceRef
 from pagedkv.interface.bridge import params_from_kv_cache_config
 from pagedkv.interface.config import KVCacheConfig
 from pagedkv.manager import hybrid
+from pagedkv.manager.tiering import TierAccess, Tiering
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params import KVCacheParams, KVConnectorType
 from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer
@@ -39,7 +40,7 @@ from pagedkv.validation import check_int
 __all__ = ["PagedKVCacheManager"]
 
 
-class PagedKVCacheManager:
+class PagedKVCacheManager(TierAccess):
     """Paged KV cache with prefix caching, one page pool per data-parallel replica.
 
     Args:
@@ -64,12 +65,8 @@ class PagedKVCacheManager:
         check_int("total_num_pages", total_num_pages, 1)
         check_int("total_num_host_pages", total_num_host_pages, 0)
         check_int("max_batch_size", max_batch_size, 1)
-        if params.kv_connector not in (None, KVConnectorType.null):
-            raise ValueError(
-                f"kv_connector={params.kv_connector.value}: this pagedkv version has no host/disk/redis tiers yet"
-            )
-        if total_num_host_pages:
-            raise ValueError(f"total_num_host_pages={total_num_host_pages} needs a local or tiered kv_connector")
+        if total_num_host_pages and params.kv_connector in (None, KVConnectorType.null):
+            raise ValueError(f"total_num_host_pages={total_num_host_pages} needs a local, tiered or redis kv_connector")
         self.params = params
         self.total_num_pages = total_num_pages
         self.total_num_host_pages = total_num_host_pages
@@ -80,6 +77,8 @@ class PagedKVCacheManager:
         self.hybrid = hybrid.is_hybrid(params)
         self._managers = [hybrid.make_block_manager(params, total_num_pages) for _ in range(self.num_replicas)]
         self._buffers = hybrid.allocate_buffers(params, total_num_pages + 1)
+        self.tiers = Tiering(params, self._managers, self._buffers, total_num_host_pages)
+        self.total_num_host_pages = self.tiers.host_pages
 
     @classmethod
     def from_memory_budget(
@@ -159,9 +158,11 @@ class PagedKVCacheManager:
     def step(self, batches: Sequence[Sequence[TextContext]]) -> None:
         """Commit the pages each request has written since the last step (one batch per replica)."""
         self._check_batches(batches)
+        self.tiers.before_step()
         for bm, batch in zip(self._managers, batches, strict=True):
             bm.step_batch(batch)
             self._checked(bm)
+        self.tiers.after_step()
 
     def release(self, request_id: RequestID, replica_idx: int = 0) -> None:
         """Forget `request_id` and free its pages (tail first; cached pages stay hittable)."""
@@ -186,10 +187,13 @@ class PagedKVCacheManager:
                 self.release(request_id, r)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every evictable cached page on every replica (pages in use keep theirs)."""
+        """Forget every evictable cached page on every replica (pages in use keep theirs), and every
+        page of the tiers below (host, disk, and this layout's pages in Redis)."""
+        self.tiers.before_step()
         for bm in self._managers:
             bm.reset_prefix_cache()
             self._checked(bm)
+        self.tiers.reset()
 
     # ----------------------------------------------------------------- runtime inputs
     def _check_batches(self, batches: Sequence[Sequence[TextContext]]) -> None:
@@ -211,6 +215,7 @@ class PagedKVCacheManager:
         for r, batch in enumerate(batches):
             if len(batch) > self.max_batch_size:
                 raise ValueError(f"replica {r} batch of {len(batch)} exceeds max_batch_size={self.max_batch_size}")
+        self.tiers.before_forward()
         if self.hybrid:
             pairs = zip(self._managers, batches, strict=True)
             tables = [hybrid.replica_tables(bm, list(batch), max_cache_length) for bm, batch in pairs]
@@ -280,23 +285,6 @@ class PagedKVCacheManager:
     def get_num_used_pages(self, replica_idx: int = 0) -> int:
         """Pages referenced by requests."""
         return self._bm(replica_idx).pool.num_used
-
-    def get_num_host_pages(self, replica_idx: int = 0) -> int:
-        """Host pages of the replica (0: this version has no host tier)."""
-        self._bm(replica_idx)
-        return 0
-
-    def get_num_used_host_pages(self, replica_idx: int = 0) -> int:
-        """Host pages holding cached KV (0: this version has no host tier)."""
-        return self.get_num_host_pages(replica_idx)
-
-    def get_num_disk_pages(self, replica_idx: int = 0) -> int:
-        """Disk pages of the replica (0: this version has no disk tier)."""
-        return self.get_num_host_pages(replica_idx)
-
-    def get_num_used_disk_pages(self, replica_idx: int = 0) -> int:
-        """Disk pages holding cached KV (0: this version has no disk tier)."""
-        return self.get_num_host_pages(replica_idx)
 
     def get_pct_used_blocks_after_allocation(self, ctx: TextContext, replica_idx: int = 0) -> float:
         """Fraction of the pool in use if `alloc(ctx)` ran now (capped at 1.0). No side effects."""

@@ -1,0 +1,92 @@
+"""`KVConnectorConfig`: where the tiers below the device live (`KVCacheParams.kv_connector_config`).
+
+Pure Python, validated at construction. Which tiers run is `KVCacheParams.kv_connector`:
+
+    null     no tier
+    local    host memory (`host_kvcache_swap_space_gb`)
+    tiered   host memory + a disk directory (`disk_offload_dir`), write-through
+    redis    a Redis server many engines share (`redis_url`), with an optional host tier in front
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from pagedkv.validation import check_int
+
+__all__ = ["KVConnectorConfig"]
+
+
+def _check_positive(name: str, value: object, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a number > 0")
+
+
+def _check_str(name: str, value: object, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, str):
+        raise TypeError(f"{name}={value!r} must be a str")
+
+
+@dataclass(frozen=True)
+class KVConnectorConfig:
+    """Settings of the disk and Redis tiers (the host tier is sized by `host_kvcache_swap_space_gb`).
+
+    Attributes:
+        model_id: names the model whose KV the tiers hold. It is part of every
+            stored page's layout fingerprint, so engines serving different
+            models (even with the same shapes) never read each other's pages.
+            Engines that should share pages must use the same value.
+        disk_offload_dir: directory of the disk tier (created if missing).
+        disk_offload_max_gb: size cap of the disk tier; least recently used pages
+            are deleted to stay under it.
+        redis_url: ``redis://[user:password@]host:port/db``, or ``rediss://`` for TLS.
+        redis_username / redis_password: ACL user and password (override the URL's).
+        redis_key_prefix: prepended to every key (namespaces a shared server).
+        redis_ssl_ca_certs / redis_ssl_certfile / redis_ssl_keyfile: TLS files.
+        redis_ttl_s: expiry of stored pages in seconds (None: no expiry; let the
+            server's ``maxmemory-policy allkeys-lru`` evict).
+        redis_timeout_s: connect and socket timeout of each Redis call.
+        redis_retry_s: after a Redis error, the tier is skipped for this long,
+            then tried again (the engine keeps serving meanwhile).
+        io_threads: threads doing disk and Redis transfers.
+    """
+
+    model_id: str = ""
+    disk_offload_dir: str | None = None
+    disk_offload_max_gb: float = 50.0
+    redis_url: str | None = None
+    redis_username: str | None = None
+    redis_password: str | None = field(default=None, repr=False)
+    redis_key_prefix: str = "pagedkv:"
+    redis_ssl_ca_certs: str | None = None
+    redis_ssl_certfile: str | None = None
+    redis_ssl_keyfile: str | None = None
+    redis_ttl_s: int | None = None
+    redis_timeout_s: float = 1.0
+    redis_retry_s: float = 5.0
+    io_threads: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("model_id", "redis_key_prefix"):
+            _check_str(name, getattr(self, name), allow_none=False)
+        for name in ("disk_offload_dir", "redis_url", "redis_username", "redis_password", "redis_ssl_ca_certs",
+                     "redis_ssl_certfile", "redis_ssl_keyfile"):  # fmt: skip
+            _check_str(name, getattr(self, name))
+        _check_positive("disk_offload_max_gb", self.disk_offload_max_gb)
+        _check_positive("redis_timeout_s", self.redis_timeout_s)
+        _check_positive("redis_retry_s", self.redis_retry_s)
+        if self.redis_ttl_s is not None:
+            check_int("redis_ttl_s", self.redis_ttl_s, 1)
+        check_int("io_threads", self.io_threads, 1)
+        if self.redis_url is not None and urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"redis_url={self.redis_url!r} must start with redis://, rediss:// or unix://")
+
+    @property
+    def disk_max_bytes(self) -> int:
+        """`disk_offload_max_gb` in bytes."""
+        return int(self.disk_offload_max_gb * 1024**3)

@@ -1,0 +1,200 @@
+"""`Tiering`: the connectors (one per replica) and KV events of a `PagedKVCacheManager`.
+
+It hooks each replica's `BlockManager` (`hooks.loader` = the connector's
+`load`, `hooks.offloads` = the runs `step` commits) and calls the connector
+at the points of MAX's per-step order: `before_forward` (wait for loads,
+start offloads) from `runtime_inputs`, `before_step` (wait for offloads)
+and `after_step` (publish events) around `step`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pagedkv.core.block_manager import BlockManager
+from pagedkv.core.coordinator import KVCacheCoordinator
+from pagedkv.core.events import AllBlocksCleared, BlockRemoved, KVEventBatch, KVEventQueue
+from pagedkv.core.memory import compute_num_host_blocks
+from pagedkv.multi_params import KVCacheParamInterface
+from pagedkv.params import KVConnectorType
+
+__all__ = ["TierAccess", "Tiering"]
+
+Listener = Callable[[KVEventBatch], None]
+
+
+class Tiering:
+    """Connectors and event queues of every replica; inert with ``kv_connector`` null and no listener."""
+
+    def __init__(
+        self, params: KVCacheParamInterface, managers: Sequence[BlockManager], buffers: Sequence[Any], host_pages: int
+    ) -> None:
+        self.managers = list(managers)
+        self.queues = [KVEventQueue() for _ in managers]
+        self.listeners: list[Listener] = []
+        self.seq = 0
+        self.connectors: list[Any] = []
+        kind = params.kv_connector
+        if kind in (None, KVConnectorType.null):
+            return
+        if any(isinstance(bm, KVCacheCoordinator) for bm in managers):
+            raise ValueError(f"kv_connector={kind.value}: tiers below the device do not support hybrid "
+                             "(several KV cache groups) models yet")  # fmt: skip
+        if not host_pages and kind in (KVConnectorType.local, KVConnectorType.tiered):
+            host_pages = compute_num_host_blocks(params)
+        elif not host_pages and params.host_kvcache_swap_space_gb is not None:
+            host_pages = compute_num_host_blocks(params, any_connector=True)
+        from pagedkv.offload.factory import create_connector
+
+        for bm, buffer, queue in zip(managers, buffers, self.queues, strict=True):
+            connector = create_connector(params, buffer, host_pages, emit=queue.emit)
+            bm.hooks.loader = connector.load
+            bm.hooks.offloads = []
+            self.connectors.append(connector)
+
+    @property
+    def host_pages(self) -> int:
+        """Host rows per replica (0 without a host tier)."""
+        return self.connectors[0].num_host_blocks if self.connectors else 0
+
+    # ----------------------------------------------------------------- per-step calls
+    def before_forward(self) -> None:
+        """Loads are in place; pages committed since the last call start moving down the tiers."""
+        for connector in self.connectors:
+            connector.wait_for_loads()
+        self._push()
+
+    def sync(self) -> None:
+        """Push every queued page down and wait until every tier has written it."""
+        self._push()
+        for connector in self.connectors:
+            connector.flush()
+
+    def _push(self) -> None:
+        for bm, connector in zip(self.managers, self.connectors, strict=False):
+            runs, bm.hooks.offloads = bm.hooks.offloads or [], []
+            for parent, hashes in runs:
+                pages = []
+                for block_hash in hashes:  # stop at the first page evicted since its commit: no gap
+                    page = bm.pool.cached_page(block_hash)
+                    if page is None:
+                        break
+                    pages.append(page)
+                if pages:
+                    connector.offload(pages, hashes[: len(pages)], parent)
+
+    def before_step(self) -> None:
+        """Offloads have read their device pages, so `alloc` may evict them again."""
+        for connector in self.connectors:
+            connector.wait_for_offloads()
+
+    def after_step(self) -> None:
+        """Publish each replica's events since the last call as one numbered batch."""
+        for rank, queue in enumerate(self.queues):
+            events = queue.drain()
+            if events and self.listeners:
+                batch = KVEventBatch(self.seq, time.time(), events, rank)
+                self.seq += 1
+                for listener in list(self.listeners):
+                    listener(batch)
+
+    # ----------------------------------------------------------------- events
+    def add_listener(self, listener: Listener) -> None:
+        """Call `listener(batch)` for every event batch from now on (device events switch on)."""
+        self.listeners.append(listener)
+        for bm, queue in zip(self.managers, self.queues, strict=True):
+            bm.hooks.emit = queue.emit
+            bm.pool.on_removed = self._removed(queue)
+
+    @staticmethod
+    def _removed(queue: KVEventQueue) -> Callable[[Any, int], None]:
+        def on_removed(block_hash: Any, group: int) -> None:
+            queue.emit(BlockRemoved([block_hash], "GPU", group))
+
+        return on_removed
+
+    def remove_listener(self, listener: Listener) -> None:
+        """Stop calling `listener`; device events switch off with the last one."""
+        self.listeners.remove(listener)
+        if not self.listeners:
+            for bm in self.managers:
+                bm.hooks.emit = None
+                bm.pool.on_removed = None
+
+    # ----------------------------------------------------------------- maintenance
+    def reset(self) -> None:
+        """Forget every tier's pages; tell listeners when nothing at all stays cached."""
+        for connector in self.connectors:
+            connector.reset_prefix_cache()
+        for bm, queue in zip(self.managers, self.queues, strict=True):
+            if self.listeners and bm.pool.num_cached == 0:
+                queue.drain()  # the individual removals are subsumed
+                queue.emit(AllBlocksCleared())
+        self.after_step()
+
+    def close(self) -> None:
+        """Finish every transfer, stop the connectors' threads and detach them from the managers."""
+        self.sync()
+        for bm, connector in zip(self.managers, self.connectors, strict=False):
+            connector.shutdown()
+            bm.hooks.loader = None
+            bm.hooks.offloads = None
+        self.connectors = []
+
+
+class TierAccess:
+    """The tier counters, statistics and event listeners of `PagedKVCacheManager` (seed 003's
+    host and disk page counters among them)."""
+
+    tiers: Tiering
+
+    def _bm(self, replica_idx: int) -> BlockManager:  # pragma: no cover - PagedKVCacheManager's
+        raise NotImplementedError
+
+    def get_num_host_pages(self, replica_idx: int = 0) -> int:
+        """Host-tier pages of the replica (0 without a host tier)."""
+        self._bm(replica_idx)
+        return self.tiers.connectors[replica_idx].num_host_blocks if self.tiers.connectors else 0
+
+    def get_num_used_host_pages(self, replica_idx: int = 0) -> int:
+        """Host-tier pages holding cached KV."""
+        self._bm(replica_idx)
+        return self.tiers.connectors[replica_idx].num_used_host_blocks if self.tiers.connectors else 0
+
+    def get_num_disk_pages(self, replica_idx: int = 0) -> int:
+        """Disk-tier pages the replica may use (its size cap; 0 without a disk tier)."""
+        self._bm(replica_idx)
+        return self.tiers.connectors[replica_idx].num_disk_blocks if self.tiers.connectors else 0
+
+    def get_num_used_disk_pages(self, replica_idx: int = 0) -> int:
+        """Disk-tier pages holding cached KV."""
+        self._bm(replica_idx)
+        return self.tiers.connectors[replica_idx].num_used_disk_blocks if self.tiers.connectors else 0
+
+    def tier_stats(self, replica_idx: int = 0) -> dict[str, dict[str, object]]:
+        """Each tier's counters (`TierStats.snapshot`) by name: "host", "disk", "redis"."""
+        self._bm(replica_idx)
+        if not self.tiers.connectors:
+            return {}
+        return {name: stats.snapshot() for name, stats in self.tiers.connectors[replica_idx].stats.items()}
+
+    def add_kv_event_listener(self, listener: Callable[[KVEventBatch], None]) -> None:
+        """Call `listener(batch)` with each replica's KV events once per `step` (and on
+        `reset_prefix_cache`); batches are numbered without gaps (`KVEventBatch.seq`)."""
+        self.tiers.add_listener(listener)
+
+    def remove_kv_event_listener(self, listener: Callable[[KVEventBatch], None]) -> None:
+        """Stop calling `listener`."""
+        self.tiers.remove_listener(listener)
+
+    def sync_tiers(self) -> None:
+        """Push every committed page still queued down the tiers and wait until all are written
+        (before exiting, or before another process should find the pages)."""
+        self.tiers.sync()
+
+    def close(self) -> None:
+        """`sync_tiers`, then stop the tiers' threads and connections (the manager stays usable,
+        without tiers)."""
+        self.tiers.close()

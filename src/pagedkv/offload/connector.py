@@ -1,0 +1,310 @@
+"""`KVConnector`: one replica's tiers below the device, MAX's connector protocol (max.md §7).
+
+    device pages ──offload──▶ host rows (LRU) ──write-through──▶ disk / Redis
+                 ◀──load────             ◀──promote on a hit───
+
+Per engine step, in this order (`PagedKVCacheManager` drives it):
+
+1. `load` (inside `alloc`): the longest prefix of the asked hashes found in
+   host, then the lower tiers, copied into the given device pages; returns
+   how many. Lower-tier reads are checked (header, layout, checksum) before
+   they count, so the number is final.
+2. `wait_for_loads` (start of `runtime_inputs`): device copies are done.
+3. `offload` (in `runtime_inputs`): pages `step` committed go to host rows
+   on a transfer thread while the model runs, then to the lower tiers.
+4. `wait_for_offloads` (start of `step`): device pages are no longer read,
+   so the next `alloc` may evict them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from pagedkv.core.events import BlockRemoved, BlockStored, EventSink
+from pagedkv.core.hashing import BlockHash
+from pagedkv.core.tier_stats import TierStats
+from pagedkv.offload.format import key_bytes
+from pagedkv.offload.host import HostTier
+from pagedkv.offload.tier import LowerTier
+from pagedkv.offload.transfer import PageMover
+
+__all__ = ["KVConnector"]
+
+
+class KVConnector:
+    """Host tier (optional) and lower tiers of one replica, over `mover`'s page rows."""
+
+    supported_hash_algos = frozenset({"sha256", "sha256_64", "xxh3_128"})
+
+    def __init__(
+        self,
+        name: str,
+        mover: PageMover,
+        *,
+        host_pages: int,
+        lower: Sequence[LowerTier] = (),
+        page_size: int,
+        emit: EventSink | None = None,
+    ) -> None:
+        self.name = name
+        self.mover = mover
+        self.page_size = page_size
+        self.host = HostTier(host_pages, mover.row_bytes, pin_memory=mover.cuda) if host_pages else None
+        self.lower = list(lower)
+        self._emit = emit
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-offload")
+        self._pending: list[Future[None]] = []
+
+    # ----------------------------------------------------------------- counters
+    @property
+    def tiers(self) -> list[HostTier | LowerTier]:
+        """Every tier, top down."""
+        return [*([self.host] if self.host else []), *self.lower]
+
+    @property
+    def stats(self) -> dict[str, TierStats]:
+        """Each tier's counters by name ("host", "disk", "redis")."""
+        return {tier.stats.name: tier.stats for tier in self.tiers}
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host.num_pages if self.host else 0
+
+    @property
+    def num_used_host_blocks(self) -> int:
+        return self.host.num_used_pages if self.host else 0
+
+    @property
+    def num_disk_blocks(self) -> int:
+        return sum(t.num_pages for t in self.lower if t.name == "disk")
+
+    @property
+    def num_used_disk_blocks(self) -> int:
+        return sum(t.num_used_pages for t in self.lower if t.name == "disk")
+
+    # ----------------------------------------------------------------- load
+    def load(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> int:
+        """Fill `block_ids[i]` with page `hashes[i]` for the longest prefix the tiers hold; returns
+        its length. Never raises for a tier failure (that page and the rest count as misses)."""
+        keys = [key_bytes(h) for h in hashes[: len(block_ids)]]
+        if not keys:
+            return 0
+        self.wait_for_offloads()  # a page offloaded this step must be in its row before it is read
+        start = time.perf_counter()
+        slots = self._host_hits(keys)  # >= 0: host rows; < 0: row -1 - s of `staging`
+        staging: torch.Tensor | None = None
+        for tier in self.lower:
+            found = len(slots)
+            if found == len(keys):
+                break
+            rest = keys[found:]
+            reserved = self._reserve(rest)
+            if reserved is None:
+                if staging is None:
+                    staging = torch.empty((len(keys), self.mover.row_bytes), dtype=torch.uint8)  # [n, row]
+                array = staging.numpy()
+                views = [memoryview(array[found + i]) for i in range(len(rest))]
+            else:
+                views = [self.host.row(s) for s in reserved]  # type: ignore[union-attr]
+            t0 = time.perf_counter()
+            got = tier.fetch(rest, views)
+            tier.stats.add(lookups=len(rest), pages_loaded=got, bytes_loaded=got * self.mover.row_bytes)
+            tier.stats.observe("load", time.perf_counter() - t0)
+            if reserved is None:
+                slots.extend(-1 - (found + i) for i in range(got))
+            else:
+                self._promoted(rest, reserved, got)
+                slots.extend(reserved[:got])
+            if got < len(rest):  # a miss or a refused page ends the prefix
+                break
+        if slots:
+            self._copy_in(block_ids[: len(slots)], slots, staging)
+            if self.host is not None:
+                self.host.stats.observe("load", time.perf_counter() - start)
+        return len(slots)
+
+    def _host_hits(self, keys: list[bytes]) -> list[int]:
+        """Host rows of the leading keys the host tier holds (pinned until copied)."""
+        slots: list[int] = []
+        if self.host is None:
+            return slots
+        index = self.host.index
+        with index.lock:
+            for key in keys:
+                slot = index.get(key)
+                if slot is None:
+                    break
+                index.touch(key)
+                slots.append(slot)
+            index.pin(slots)
+        self.host.stats.add(lookups=len(keys), pages_loaded=len(slots), bytes_loaded=len(slots) * self.mover.row_bytes)
+        return slots
+
+    def _reserve(self, keys: list[bytes]) -> list[int] | None:
+        """Pinned host rows for `keys`, evicting the LRU; None without a host tier or room for all."""
+        host = self.host
+        if host is None:
+            return None
+        slots: list[int] = []
+        evicted: list[bytes] = []
+        with host.index.lock:
+            for key in keys:
+                placed = None if key in host.index else host.index.insert(key)
+                if placed is None:
+                    break
+                host.index.pin([placed[0]])  # so the next insert cannot evict this reservation
+                slots.append(placed[0])
+                if placed[1] is not None:
+                    evicted.append(placed[1])
+            if len(slots) < len(keys):  # no room for all: give the rows back, stage instead
+                for key in keys[: len(slots)]:
+                    host.index.remove(key)
+                host.index.unpin(slots)
+                slots = []
+        self._evicted(evicted)
+        return slots or None
+
+    def _promoted(self, keys: list[bytes], reserved: list[int], got: int) -> None:
+        """Keep the host rows of the `got` pages a lower tier gave; free the rest."""
+        host = self.host
+        assert host is not None
+        with host.index.lock:
+            for key in keys[got:]:
+                host.index.remove(key)
+            host.index.unpin(reserved[got:])
+        if got:
+            host.stats.add(pages_stored=got, bytes_stored=got * self.mover.row_bytes)
+            self._event(BlockStored(list(keys[:got]), None, [], self.page_size, host.medium))
+
+    def _copy_in(self, block_ids: Sequence[int], slots: list[int], staging: torch.Tensor | None) -> None:
+        pairs = list(zip(block_ids, slots, strict=True))
+        host_pairs = [(b, s) for b, s in pairs if s >= 0]
+        if host_pairs:
+            assert self.host is not None
+            self.mover.from_rows(self.host.buffer, [s for _, s in host_pairs], [b for b, _ in host_pairs])
+        staged = [(b, -1 - s) for b, s in pairs if s < 0]
+        if staged:
+            assert staging is not None
+            self.mover.from_rows(staging, [s for _, s in staged], [b for b, _ in staged])
+        self.mover.sync()
+        if host_pairs:
+            self.host.index.unpin([s for _, s in host_pairs])  # type: ignore[union-attr]
+
+    # ----------------------------------------------------------------- offload
+    def offload(self, block_ids: Sequence[int], hashes: Sequence[BlockHash], parent: BlockHash | None = None) -> None:
+        """Copy these committed device pages into the tiers, in the background (`wait_for_offloads`).
+        Pages the host tier has no free row for go straight to the lower tiers through a staging buffer."""
+        keys = [key_bytes(h) for h in hashes[: len(block_ids)]]
+        if not keys:
+            return
+        new_ids, new_keys, slots, evicted, staged_ids, staged_keys = [], [], [], [], [], []
+        if self.host is not None:
+            index = self.host.index
+            with index.lock:
+                for bid, key in zip(block_ids, keys, strict=True):
+                    if key in index:
+                        continue
+                    placed = index.insert(key)
+                    if placed is None:  # every row is pinned (this batch, or writes in flight)
+                        staged_ids.append(bid)
+                        staged_keys.append(key)
+                        continue
+                    index.pin([placed[0]])  # so this batch cannot evict its own rows
+                    new_ids.append(bid)
+                    new_keys.append(key)
+                    slots.append(placed[0])
+                    if placed[1] is not None:
+                        evicted.append(placed[1])
+            self._evicted(evicted)
+        else:
+            staged_ids, staged_keys = list(block_ids), keys
+        if new_keys:
+            self._submit(
+                self._offload_host, new_ids, new_keys, slots, key_bytes(parent) if parent is not None else None
+            )
+        if staged_keys and self.lower:
+            rows = torch.empty((len(staged_keys), self.mover.row_bytes), dtype=torch.uint8)  # [n, row]
+            self._submit(self._offload_staged, staged_ids, staged_keys, rows)
+        elif staged_keys and self.host is not None:
+            self.host.stats.add(skipped_writes=len(staged_keys))
+
+    def _submit(self, fn: Callable[..., None], *args: object) -> None:
+        self._pending.append(self._thread.submit(fn, *args))
+
+    def _offload_host(self, block_ids: list[int], keys: list[bytes], slots: list[int], parent: bytes | None) -> None:
+        host = self.host
+        assert host is not None
+        start = time.perf_counter()
+        self.mover.to_rows(block_ids, host.buffer, slots)
+        self.mover.sync()
+        host.stats.add(pages_stored=len(keys), bytes_stored=len(keys) * self.mover.row_bytes)
+        host.stats.observe("store", time.perf_counter() - start)
+        self._event(BlockStored(list(keys), parent, [], self.page_size, host.medium))
+        views = [host.row(s) for s in slots]
+
+        def done(i: int) -> None:
+            host.index.unpin([slots[i]])
+
+        for tier in self.lower:
+            host.index.pin(slots)  # one pin per tier's write; `done` drops it
+            tier.store(keys, views, done)
+        host.index.unpin(slots)  # the device copy's pin
+
+    def _offload_staged(self, block_ids: list[int], keys: list[bytes], rows: torch.Tensor) -> None:
+        self.mover.to_rows(block_ids, rows, range(len(keys)))  # type: ignore[arg-type]
+        self.mover.sync()
+        array = rows.numpy()
+        views = [memoryview(array[i]) for i in range(len(keys))]
+
+        def done(i: int, keep: torch.Tensor = rows) -> None:  # `rows` lives until every write is done
+            del keep
+
+        for tier in self.lower:
+            tier.store(keys, views, done)
+
+    def wait_for_loads(self) -> None:
+        """Device copies of `load` are done (loads copy synchronously; this orders CUDA streams)."""
+        self.mover.sync()
+
+    def wait_for_offloads(self) -> None:
+        """Every `offload` has read its device pages (lower-tier writes may still run)."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def flush(self) -> None:
+        """Wait for every transfer, lower-tier writes included."""
+        self.wait_for_offloads()
+        for tier in self.lower:
+            tier.wait()
+
+    # ----------------------------------------------------------------- maintenance
+    def _evicted(self, keys: list[bytes]) -> None:
+        if keys and self.host is not None:
+            self.host.stats.add(evictions=len(keys))
+            self._event(BlockRemoved(list(keys), self.host.medium))
+
+    def _event(self, event: BlockStored | BlockRemoved) -> None:
+        if self._emit is not None:
+            self._emit(event)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every page of every tier (waits for transfers first)."""
+        self.flush()
+        if self.host is not None:
+            keys: list[BlockHash] = list(self.host.index.clear())
+            if keys:
+                self._event(BlockRemoved(keys, self.host.medium))
+        for tier in self.lower:
+            tier.reset()
+
+    def shutdown(self) -> None:
+        """Finish every transfer and release threads and connections."""
+        self.flush()
+        self._thread.shutdown(wait=True)
+        for tier in self.lower:
+            tier.shutdown()

@@ -1,0 +1,79 @@
+"""`LowerTier`: the contract of a tier below host memory (disk, Redis) that stores pages by content hash.
+
+A lower tier stores each page as `offload.format` header + row bytes, under
+its content hash, and checks both on the way back. It never raises into
+the caller for an I/O problem: it counts it (`stats.errors`), logs it once,
+and reports a miss, so the engine recomputes instead of failing.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+from pagedkv.core.tier_stats import TierStats
+
+__all__ = ["LowerTier", "OnceLogger"]
+
+Done = Callable[[int], None]
+
+
+class OnceLogger:
+    """Logs the first error of each kind at WARNING, the rest at DEBUG (errors are still counted)."""
+
+    def __init__(self, name: str) -> None:
+        self.log = logging.getLogger(f"pagedkv.offload.{name}")
+        self._seen: set[str] = set()
+
+    def error(self, kind: str, message: str) -> None:
+        level = logging.DEBUG if kind in self._seen else logging.WARNING
+        self._seen.add(kind)
+        self.log.log(level, message)
+
+    def recovered(self, kind: str, message: str) -> None:
+        """Log a recovery once and re-arm the warning for `kind`."""
+        if kind in self._seen:
+            self._seen.discard(kind)
+            self.log.warning(message)
+
+
+class LowerTier(ABC):
+    """Pages by content hash below host memory. Methods are called from one thread at a time."""
+
+    name: str  # "disk", "redis"
+    medium: str  # event medium: "DISK", "REDIS"
+    stats: TierStats
+
+    @abstractmethod
+    def fetch(self, keys: Sequence[bytes], dest: Sequence[memoryview]) -> int:
+        """Read the pages of the longest prefix of `keys` the tier holds into `dest` (one writable
+        row view per key), checking header and checksum; stop at the first missing or refused page.
+        Returns how many leading rows of `dest` hold valid pages."""
+
+    @abstractmethod
+    def store(self, keys: Sequence[bytes], rows: Sequence[memoryview], done: Done) -> None:
+        """Write each row under its key, in the background; pages already stored are skipped.
+        ``done(i)`` is called once row i is no longer read (written, skipped or failed)."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Block until every write issued so far has finished."""
+
+    @abstractmethod
+    def reset(self) -> int:
+        """Delete every page this tier can enumerate and own; returns how many."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Finish pending writes and release threads and connections."""
+
+    @property
+    def num_pages(self) -> int:
+        """Capacity in pages (0 when unknown, as for a shared server)."""
+        return 0
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages stored (0 when unknown)."""
+        return 0

@@ -1,0 +1,86 @@
+"""Disk tier, each scenario in real processes: warm restart, a corrupted page, a full disk, the size cap."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagedkv.core.hashing import hash_tokens
+
+PROMPT = list(range(1, 30))  # 29 tokens, pages of 4: the first 7 pages are a shareable prefix
+ROW = 2 * 2 * 4 * 2 * 4 * 4  # K/V x layers x page x heads x head_dim x fp32 = 512 bytes
+FILE = 80 + ROW
+
+
+def spec(directory: Path, **extra: Any) -> dict[str, Any]:
+    return {"connector": "tiered", "dir": str(directory), "prompts": [PROMPT], "host_pages": 16, **extra}
+
+
+def page_file(directory: Path, index: int) -> Path:
+    key = hash_tokens(PROMPT + [1000, 1001, 1002, 1003], 4)[index]  # the prompt and the 4 tokens it generates
+    [layout] = [d for d in directory.iterdir() if d.is_dir()]
+    return layout / f"{key[0]:02x}" / f"{key.hex()}.page"
+
+
+def test_warm_restart_reads_what_a_previous_process_wrote(tmp_path: Path, worker: Any) -> None:
+    first = worker(spec(tmp_path))
+    assert first["cached"] == [0] and first["stats"]["disk"]["pages_stored"] == 8  # 29 + 4 tokens: 8 full pages
+    assert first["disk_used"] == 8 and page_file(tmp_path, 6).stat().st_size == FILE
+    second = worker(spec(tmp_path))  # a new process: empty device and host, the disk is warm
+    assert second["cached"] == [28] and second["checked"] >= 28  # every cached position's KV was checked
+    disk, host = second["stats"]["disk"], second["stats"]["host"]
+    assert (disk["pages_loaded"], disk["lookups"], host["pages_loaded"]) == (7, 7, 0)
+    assert host["pages_stored"] >= 7  # promoted into host rows on the way up
+
+
+def test_small_host_tier_stages_disk_reads(tmp_path: Path, worker: Any) -> None:
+    worker(spec(tmp_path))
+    second = worker(spec(tmp_path, host_pages=2))  # 7 pages do not fit in 2 host rows: a staging buffer is used
+    assert second["cached"] == [28] and second["stats"]["disk"]["pages_loaded"] == 7
+
+
+def test_corrupted_page_is_refused_counted_and_recomputed(tmp_path: Path, worker: Any) -> None:
+    worker(spec(tmp_path))
+    victim = page_file(tmp_path, 2)
+    data = bytearray(victim.read_bytes())
+    data[80 + 100] ^= 0xFF  # one payload byte
+    victim.write_bytes(bytes(data))
+    second = worker(spec(tmp_path))
+    assert second["cached"] == [8]  # pages 0-1 from disk, page 2 refused, the rest recomputed
+    assert second["stats"]["disk"]["refused"] == 1 and second["stats"]["disk"]["pages_loaded"] == 2
+    assert victim.stat().st_size == FILE  # recomputed and written again
+    third = worker(spec(tmp_path))
+    assert third["cached"] == [28] and third["stats"]["disk"]["refused"] == 0
+
+
+def test_full_disk_skips_writes_and_serving_continues(tmp_path: Path, worker: Any) -> None:
+    report = worker(spec(tmp_path, prompts=[PROMPT, PROMPT], fsize_limit=100))  # no page file fits
+    disk = report["stats"]["disk"]
+    assert disk["pages_stored"] == 0 and disk["errors"] == disk["skipped_writes"] >= 8 and report["disk_used"] == 0
+    assert report["cached"] == [0, 28] and report["checked"] > 28  # the host tier still serves the repeat
+    assert not list(tmp_path.rglob("*.page")) and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_full_tmpfs(tmp_path: Path, worker: Any) -> None:
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs privileges this machine does not give (the RLIMIT test covers it)")
+    try:
+        report = worker(spec(mount, prompts=[PROMPT, PROMPT]))
+        disk = report["stats"]["disk"]
+        assert 0 < disk["pages_stored"] < 8 and disk["errors"] == disk["skipped_writes"] > 0
+        assert report["cached"] == [0, 28]
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_size_cap_deletes_least_recently_used(tmp_path: Path, worker: Any) -> None:
+    report = worker(spec(tmp_path, max_gb=3 * FILE / 1024**3))
+    disk = report["stats"]["disk"]
+    assert report["disk_used"] == 3 and disk["pages_stored"] == 8 and disk["evictions"] == 5
+    assert len(list(tmp_path.rglob("*.page"))) == 3
+    assert page_file(tmp_path, 7).exists()  # the last one written (alone, by the last step) stays
