@@ -94,6 +94,8 @@ class LLMEngine:
         kv_dtype: DType | None = None,
         quantization: KVCacheQuantizationConfig | None = None,
         record_logits: bool = False,
+        total_num_host_pages: int = 0,
+        **params_kwargs: Any,
     ) -> LLMEngine:
         """An engine for a transformers causal LM, switched to pagedkv attention.
 
@@ -101,19 +103,21 @@ class LLMEngine:
         gpt-oss (sinks + sliding), Llama 4 text (chunked local), DeepSeek V2/V3 (MLA). Mixed
         attention types get one page table per group over one pool. Give either `num_pages` or
         `memory_budget` (bytes for the KV pages). The model is modified in place: its attention
-        implementation becomes ``"pagedkv"``.
+        implementation becomes ``"pagedkv"``. `params_kwargs` go to `KVCacheParams` (e.g.
+        ``kv_connector="tiered"``, ``kv_connector_config=KVConnectorConfig(...)``,
+        ``host_kvcache_swap_space_gb=4``); `total_num_host_pages` sizes the host tier (0: from the swap space).
         """
         if (num_pages is None) == (memory_budget is None):
             raise ValueError("give exactly one of num_pages or memory_budget")
         param = next(model.parameters())
         layout = kv_layout(
             model.config, page_size=page_size, dtype=param.dtype, device=param.device,
-            enable_prefix_caching=enable_prefix_caching, kv_dtype=kv_dtype, quantization=quantization,
+            enable_prefix_caching=enable_prefix_caching, kv_dtype=kv_dtype, quantization=quantization, **params_kwargs,
         )  # fmt: skip
         params = layout.params
         model.set_attn_implementation(register())  # type: ignore[operator]
         if num_pages is not None:
-            manager = PagedKVCacheManager(params, num_pages, max_batch_size=max_batch_size)
+            manager = PagedKVCacheManager(params, num_pages, total_num_host_pages, max_batch_size=max_batch_size)
         else:
             assert memory_budget is not None
             manager = PagedKVCacheManager.from_memory_budget(params, memory_budget, max_batch_size=max_batch_size)
