@@ -30,6 +30,7 @@ TORCH_FREE = [
     "pagedkv.core.block_hooks",
     "pagedkv.core.tier_index",
     "pagedkv.core.tier_stats",
+    "pagedkv.core.swap",
     "pagedkv.connector_config",
     "pagedkv.offload.format",
 ]

@@ -80,6 +80,33 @@ class TierIndex:
                     self._orphans.discard(slot)
                     self._free.append(slot)
 
+    def available(self) -> int:
+        """Slots an `insert` or `lend` may still take: free ones plus unpinned entries."""
+        with self.lock:
+            return len(self._free) + sum(1 for s in self._slots.values() if not self._pins[s])
+
+    def lend(self, n: int) -> tuple[list[int], list[bytes]] | None:
+        """Take `n` slots out of the index for a caller's own use (swapped-out pages), evicting the
+        LRU; returns (slots, evicted keys), or None (and no change) when fewer than `n` are available.
+        A lent slot is pinned and held by no key: nothing evicts or clears it until `give_back`."""
+        with self.lock:
+            if n > self.available():
+                return None
+            slots, evicted = [], []
+            for i in range(n):
+                key = b"\x00lent" + i.to_bytes(8, "little")  # never a content hash: those are 8, 16 or 32 bytes
+                slot, victim = self.insert(key)  # type: ignore[misc]  # room was checked
+                self._pins[slot] += 1
+                self.remove(key)  # pinned, so the slot is orphaned: owned by the caller
+                slots.append(slot)
+                if victim is not None:
+                    evicted.append(victim)
+            return slots, evicted
+
+    def give_back(self, slots: Iterable[int]) -> None:
+        """Return slots from `lend` (they become free)."""
+        self.unpin(slots)
+
     def remove(self, key: bytes) -> int | None:
         """Forget `key`; its slot is free (at once, or at its last unpin). Returns the slot."""
         with self.lock:

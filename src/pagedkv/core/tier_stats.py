@@ -38,6 +38,7 @@ class TierStats:
         errors: failed operations (I/O error, connection lost, disk full).
         refused: pages read but refused (bad header, wrong layout, checksum mismatch).
         skipped_writes: writes not done (tier down, full, or the page pinned elsewhere).
+        pages_swapped_out / pages_swapped_in: pages of preempted requests parked in host rows and back.
         store_latency / load_latency: seconds per batch operation.
     """
 
@@ -51,6 +52,8 @@ class TierStats:
     errors: int = 0
     refused: int = 0
     skipped_writes: int = 0
+    pages_swapped_out: int = 0
+    pages_swapped_in: int = 0
     store_latency: Histogram = field(default_factory=Histogram)
     load_latency: Histogram = field(default_factory=Histogram)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -78,7 +81,8 @@ class TierStats:
                 "name": self.name, "pages_stored": self.pages_stored, "bytes_stored": self.bytes_stored,
                 "pages_loaded": self.pages_loaded, "bytes_loaded": self.bytes_loaded, "lookups": self.lookups,
                 "evictions": self.evictions, "errors": self.errors, "refused": self.refused,
-                "skipped_writes": self.skipped_writes, "hit_rate": self.hit_rate,
+                "skipped_writes": self.skipped_writes, "pages_swapped_out": self.pages_swapped_out,
+                "pages_swapped_in": self.pages_swapped_in, "hit_rate": self.hit_rate,
                 "store_latency": (list(self.store_latency.counts), self.store_latency.total, self.store_latency.count),
                 "load_latency": (list(self.load_latency.counts), self.load_latency.total, self.load_latency.count),
             }  # fmt: skip
@@ -87,6 +91,6 @@ class TierStats:
         """Zero every counter and histogram."""
         with self._lock:
             for name in ("pages_stored", "bytes_stored", "pages_loaded", "bytes_loaded", "lookups", "evictions",
-                         "errors", "refused", "skipped_writes"):  # fmt: skip
+                         "errors", "refused", "skipped_writes", "pages_swapped_out", "pages_swapped_in"):  # fmt: skip
                 setattr(self, name, 0)
             self.store_latency, self.load_latency = Histogram(), Histogram()

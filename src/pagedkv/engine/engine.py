@@ -55,6 +55,9 @@ class LLMEngine:
         max_num_batched_tokens: token budget per step (prefills are chunked to fit).
         max_batch_size: most requests per step (defaults to the manager's).
         record_logits: keep every generated token's logits [V] on its request (tests).
+        preemption_mode: "swap" (copy a preempted request's pages to the host tier and back, bit for
+            bit; the default when the manager has a host tier) or "recompute" (release them; its
+            tokens are computed again as prompt when it is readmitted).
     """
 
     def __init__(
@@ -66,7 +69,13 @@ class LLMEngine:
         max_batch_size: int | None = None,
         record_logits: bool = False,
         layer_map: dict[int, tuple[int, int]] | None = None,
+        preemption_mode: str | None = None,
     ) -> None:
+        mode = preemption_mode or ("swap" if manager.can_swap else "recompute")
+        if mode not in ("swap", "recompute"):
+            raise ValueError(f"preemption_mode={preemption_mode!r} must be 'swap' or 'recompute'")
+        if mode == "swap" and not manager.can_swap:
+            raise ValueError("preemption_mode='swap' needs a host tier: a local/tiered kv_connector (or host pages)")
         if manager.num_replicas != 1 or len(manager.params.devices) != 1:
             raise ValueError("LLMEngine drives one replica on one device")
         self.model = model
@@ -75,7 +84,8 @@ class LLMEngine:
         self._group_params = manager.params.leaves()
         self.device = manager.params.devices[0].to_torch()
         batch = max_batch_size or manager.max_batch_size
-        self.scheduler = Scheduler(manager, max_num_batched_tokens, min(batch, manager.max_batch_size))
+        self.preemption_mode = mode
+        self.scheduler = Scheduler(manager, max_num_batched_tokens, min(batch, manager.max_batch_size), mode == "swap")
         self.record_logits = record_logits
         self.stats = EngineStats()
         self._next_id = 0
@@ -95,6 +105,7 @@ class LLMEngine:
         quantization: KVCacheQuantizationConfig | None = None,
         record_logits: bool = False,
         total_num_host_pages: int = 0,
+        preemption_mode: str | None = None,
         **params_kwargs: Any,
     ) -> LLMEngine:
         """An engine for a transformers causal LM, switched to pagedkv attention.
@@ -123,7 +134,7 @@ class LLMEngine:
             manager = PagedKVCacheManager.from_memory_budget(params, memory_budget, max_batch_size=max_batch_size)
         return cls(
             model, manager, max_num_batched_tokens=max_num_batched_tokens, record_logits=record_logits,
-            layer_map=layout.layer_map,
+            layer_map=layout.layer_map, preemption_mode=preemption_mode,
         )  # fmt: skip
 
     # ----------------------------------------------------------------- requests
@@ -249,6 +260,6 @@ class LLMEngine:
             "steps": self.stats.steps, "generated_tokens": self.stats.generated_tokens,
             "prompt_tokens": sched.admitted_tokens, "prompt_tokens_cached": sched.cached_tokens,
             "prefill_tokens_computed": sched.admitted_tokens - sched.cached_tokens,
-            "preemptions": sched.preemptions, "cache_hit_rate": metrics.cache_hit_rate,
+            "preemptions": sched.preemptions, "swaps": sched.swaps, "cache_hit_rate": metrics.cache_hit_rate,
             "used_pages": metrics.used_pages, "total_pages": metrics.total_pages,
         }  # fmt: skip

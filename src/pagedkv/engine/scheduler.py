@@ -1,10 +1,12 @@
-"""Continuous batching with chunked prefill and preemption by recompute.
+"""Continuous batching with chunked prefill and preemption (by swap to host, or by recompute).
 
 Each step: (1) every running request gets its next window, decodes first and
 then unfinished prefills, oldest first, within a token budget; a decode that
-finds the pool full preempts the newest running request (its pages are
-released, its context reset and it goes back to the front of the queue;
-generated tokens are kept and recomputed as prompt). (2) Waiting requests are
+finds the pool full preempts the newest running request and puts it back at
+the front of the queue: with swap (a host tier exists and has room) its pages
+are copied to host rows and come back, bit for bit, when it is readmitted;
+otherwise they are released, its context reset, and its generated tokens are
+recomputed as prompt. (2) Waiting requests are
 admitted while the budget, the batch size and the pool allow (`alloc` takes
 prefix-cache hits first), their prompt chunked to what the budget has left.
 """
@@ -23,13 +25,17 @@ __all__ = ["Scheduler"]
 class Scheduler:
     """Decides which requests run each step and how many of their tokens."""
 
-    def __init__(self, manager: PagedKVCacheManager, max_num_batched_tokens: int, max_batch_size: int) -> None:
+    def __init__(
+        self, manager: PagedKVCacheManager, max_num_batched_tokens: int, max_batch_size: int, swap: bool = False
+    ) -> None:
         self.manager = manager
+        self.swap = swap  # preempt by swapping to host rows when they have room
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_batch_size = max_batch_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        self.swaps = 0  # preemptions that swapped out instead of recomputing
         self.admitted_tokens = 0  # prompt tokens at admission (recomputed ones after preemption included)
         self.cached_tokens = 0  # of those, served from the prefix cache
 
@@ -76,8 +82,11 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.manager.release(request.request_id)
-        request.ctx.reset()
+        if self.swap and self.manager.swap_out(request.request_id):
+            self.swaps += 1
+        else:
+            self.manager.release(request.request_id)
+            request.ctx.reset()
         request.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(request)
@@ -86,10 +95,17 @@ class Scheduler:
         admitted: list[Request] = []
         while self.waiting and budget > 0 and batch_size + len(admitted) < self.max_batch_size:
             request = self.waiting[0]
-            chunk = self._admit_one(request, budget, alone=not (self.running or admitted))
+            alone = not (self.running or admitted)
+            swapped = self.manager.is_swapped(request.request_id)
+            chunk = self._resume(request, budget, alone) if swapped else self._admit_one(request, budget, alone)
             if chunk is None:
                 break  # wait for running requests to free pages
             self.waiting.popleft()
+            if swapped:  # resumed where it stopped: nothing is recomputed
+                budget -= self._window(request, chunk)
+                self.running.append(request)
+                admitted.append(request)
+                continue
             request.cached_tokens += request.ctx.cached_prefix_length
             self.admitted_tokens += len(request.ctx.tokens)
             self.cached_tokens += request.ctx.cached_prefix_length
@@ -119,6 +135,27 @@ class Scheduler:
                         raise
                     return None
                 chunk //= 2
+
+    def _resume(self, request: Request, budget: int, alone: bool) -> int | None:
+        """swap_in + alloc a swapped-out request for a chunk of up to `budget` tokens (None: wait)."""
+        manager = self.manager
+        if not alone and manager.num_free_blocks() <= manager.swapped_pages(request.request_id):
+            return None  # its pages and a next one do not fit yet: do not copy back and forth
+        try:
+            self.manager.swap_in(request.ctx)
+        except InsufficientBlocksError:
+            if alone:
+                raise
+            return None
+        try:
+            self.manager.alloc(request.ctx, num_scheduled_tokens=budget)
+        except InsufficientBlocksError:
+            if self.manager.swap_out(request.request_id):  # back to host until pages free up
+                return None
+            self.manager.release(request.request_id)  # no host room left: recompute later instead
+            request.ctx.reset()
+            return None
+        return budget
 
     def finish(self, request: Request) -> None:
         """Release a finished request's pages (after `step` committed them)."""

@@ -30,6 +30,7 @@ from pagedkv.dtype import DeviceRef
 from pagedkv.interface.bridge import params_from_kv_cache_config
 from pagedkv.interface.config import KVCacheConfig
 from pagedkv.manager import hybrid
+from pagedkv.manager.swap import SwapAccess
 from pagedkv.manager.tiering import TierAccess, Tiering
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params import KVCacheParams, KVConnectorType
@@ -40,7 +41,7 @@ from pagedkv.validation import check_int
 __all__ = ["PagedKVCacheManager"]
 
 
-class PagedKVCacheManager(TierAccess):
+class PagedKVCacheManager(TierAccess, SwapAccess):
     """Paged KV cache with prefix caching, one page pool per data-parallel replica.
 
     Args:
@@ -79,6 +80,7 @@ class PagedKVCacheManager(TierAccess):
         self._buffers = hybrid.allocate_buffers(params, total_num_pages + 1)
         self.tiers = Tiering(params, self._managers, self._buffers, total_num_host_pages)
         self.total_num_host_pages = self.tiers.host_pages
+        self._swapped = {}
 
     @classmethod
     def from_memory_budget(
@@ -167,6 +169,8 @@ class PagedKVCacheManager(TierAccess):
     def release(self, request_id: RequestID, replica_idx: int = 0) -> None:
         """Forget `request_id` and free its pages (tail first; cached pages stay hittable)."""
         bm = self._bm(replica_idx)
+        if not bm.contains(request_id) and self._drop_swapped(request_id, replica_idx):
+            return
         bm.release(request_id)
         self._checked(bm)
 

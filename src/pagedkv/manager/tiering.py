@@ -36,6 +36,7 @@ class Tiering:
         self.listeners: list[Listener] = []
         self.seq = 0
         self.connectors: list[Any] = []
+        self.swap_spaces: list[Any] = []  # one `SwapSpace` per replica when a host tier exists
         kind = params.kv_connector
         if kind in (None, KVConnectorType.null):
             return
@@ -53,6 +54,10 @@ class Tiering:
             bm.hooks.loader = connector.load
             bm.hooks.offloads = []
             self.connectors.append(connector)
+        if host_pages:
+            from pagedkv.offload.swap import SwapSpace
+
+            self.swap_spaces = [SwapSpace(c) for c in self.connectors]
 
     @property
     def host_pages(self) -> int:
@@ -142,6 +147,7 @@ class Tiering:
             bm.hooks.loader = None
             bm.hooks.offloads = None
         self.connectors = []
+        self.swap_spaces = []
 
 
 class TierAccess:
