@@ -65,3 +65,21 @@ def test_hybrid_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
         hits["E", "slru", 0.25]["hit_rate"] == hits["B", "slru", 0.25]["hit_rate"] <= hits["B", "slru", 0.25]["ideal"]
     )
     assert [d["decode_us"] > 0 for d in result["decode"]] == [True, True]
+
+
+def test_tier_demo_second_process_reads_the_first_ones_pages_from_disk(capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedkv.tier_demo import run_tier_demo
+
+    r = run_tier_demo("tiered", requests=6, groups=3, prefix_len=64)
+    fill, warm, cold = r["fill"], r["warm"], r["recompute"]
+    # 3 system prompts of 64 tokens = 4 pages each. Fill: all 6 requests start in one step, before any page
+    # is committed: nothing is reused. Warm: requests 1-3 load their prompt's pages from disk, which makes
+    # them device hits for requests 4-6 at once.
+    assert (fill["from_tiers"]["disk"], fill["from_device"], fill["cached_tokens"]) == (0, 0, 0)
+    assert (warm["from_tiers"]["disk"], warm["from_device"]) == (3 * 64, 3 * 64)
+    assert warm["tier_stats"]["disk"]["refused"] == 0 and cold["from_tiers"] == {}
+    assert r["identical"] == 6 and warm["outputs"] == cold["outputs"]
+    out = capsys.readouterr().out
+    assert "outputs: 6/6 identical" in out and "TTFT speedup" in out
+    with pytest.raises(ValueError, match="--connector redis needs --redis-url"):
+        run_tier_demo("redis")

@@ -20,6 +20,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--manager-only", action="store_true", help="the bookkeeping demo (no model)")
     demo.add_argument("--model", help="a local transformers checkpoint directory (Llama, Qwen2, Qwen3)")
+    demo.add_argument("--connector", choices=["tiered", "redis"],
+                      help="the tier demo: fill a tier in one process, start cold on device and warm from it in "
+                           "another, compare time to first token with recompute")  # fmt: skip
+    demo.add_argument("--redis-url", help="Redis server for --connector redis (redis://host:port/db)")
+    demo.add_argument("--dir", help="disk tier directory for --connector tiered (default: a temporary one)")
     bench = sub.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench", required=True)
     mgr = kinds.add_parser("manager", help="bookkeeping cost of PagedKVCacheManager on a shared-prefix chat trace")
@@ -62,6 +67,15 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pagedkv` console script."""
     args = _parser().parse_args(argv)
+    if args.command == "demo" and args.connector:
+        from pagedkv.tier_demo import run_tier_demo
+
+        try:
+            result = run_tier_demo(args.connector, directory=args.dir, redis_url=args.redis_url, seed=args.seed)
+        except ValueError as exc:
+            print(f"pagedkv demo: {exc}", file=sys.stderr)
+            return 2
+        return 0 if result["identical"] == result["requests"] else 1
     if args.command == "demo":
         from pagedkv.demo import run_demo
 
