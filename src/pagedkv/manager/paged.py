@@ -296,6 +296,10 @@ class PagedKVCacheManager(TierAccess, SwapAccess):
         new_pages, evictable_hits = bm.pages_needed(ctx)
         return min(1.0, (bm.pool.num_used + new_pages + evictable_hits) / bm.pool.num_blocks)
 
+    def get_metrics(self, replica_idx: int = 0) -> KVCacheMetrics:
+        """One replica's counters and page usage."""
+        return self._bm(replica_idx).metrics
+
     def get_metrics_aggregated(self) -> KVCacheMetrics:
         """Counters and page usage summed over replicas."""
         return sum((bm.metrics for bm in self._managers), start=KVCacheMetrics())

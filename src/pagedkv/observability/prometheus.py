@@ -108,7 +108,7 @@ class PagedKVCollector:
         mgr = self.manager
         for r in range(mgr.num_replicas):
             rep = str(r)
-            metrics: KVCacheMetrics = mgr._bm(r).metrics  # one replica's counters (no public per-replica getter)
+            metrics: KVCacheMetrics = mgr.get_metrics(r)
             for kind, value in (("used", mgr.get_num_used_pages(r)), ("free", mgr.num_free_blocks(r)),
                                 ("cached", metrics.cached_pages), ("capacity", mgr.total_num_blocks(r))):  # fmt: skip
                 pages[kind].add_metric(["device", rep], value)
