@@ -1,0 +1,300 @@
+"""`RedisTier`: pages in a Redis (or Valkey) server that many engine processes share.
+
+One string value per page, no pickle, under
+
+    <redis_key_prefix><layout fingerprint, 32 hex>:<content hash, hex>  ->  80-byte header + page row
+
+(`offload.format`). The fingerprint covers the model id, dtype, page size,
+heads, layers and TP degree, so engines read only pages of their own layout;
+the prefix namespaces a shared server. A reader checks header and checksum
+before a byte reaches the KV cache; a refused value is counted, logged once
+and deleted. Writes run on `io_threads` threads: one pipelined EXISTS, then
+``SET NX`` (``EX redis_ttl_s`` when set; a page offered again gets its
+expiry refreshed) for the missing pages. Reads are pipelined MGETs of at
+most `FETCH_CHUNK_BYTES`, stopping at the first miss.
+
+Failure is not an outage. Every Redis call has `redis_timeout_s` and no
+client-side retry; any Redis or socket error is counted (`stats.errors`,
+`skipped_writes` for lost writes), logged once, reported as a miss, and the
+tier is skipped without a network call for `redis_retry_s`, then tried
+again; the first success after that logs the recovery once. Nothing raises
+into the engine, which recomputes what it could not load.
+
+Valkey works unchanged (same protocol). Redis Cluster is not supported yet:
+the keys of one prefix hash to different slots, so reads would need a
+pipeline per slot (`redis.cluster.RedisCluster`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from pagedkv.connector_config import KVConnectorConfig
+from pagedkv.core.events import BlockRemoved, EventSink
+from pagedkv.core.tier_stats import TierStats
+from pagedkv.offload.format import HEADER_SIZE, check_page, decode_header, encode_header
+from pagedkv.offload.tier import Done, LowerTier, OnceLogger
+
+__all__ = ["FETCH_CHUNK_BYTES", "RedisTier", "redis_client"]
+
+FETCH_CHUNK_BYTES = 32 * 2**20  # one MGET reads at most this much; a long prefix takes several round trips
+SCAN_COUNT = 512
+
+
+def _import_redis() -> Any:
+    try:
+        import redis
+    except ImportError as exc:
+        hint = "kv_connector='redis' needs the redis package (redis-py): pip install 'pagedkv[tiers]'"
+        raise ImportError(hint) from exc
+    return redis
+
+
+def _unquote(part: str | None) -> str | None:
+    return unquote(part) if part else None
+
+
+def redis_client(config: KVConnectorConfig) -> Any:
+    """A `redis.Redis` for `config`: its URL (``redis://``, ``rediss://`` TLS, ``unix://``), with
+    `redis_username` / `redis_password` overriding the URL's, the TLS files (``rediss://`` only),
+    `redis_timeout_s` as connect and socket timeout, and no client-side retry. Connects lazily."""
+    redis = _import_redis()
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    if config.redis_url is None:
+        raise ValueError("the redis tier needs KVConnectorConfig(redis_url=...)")
+    parts = urlsplit(config.redis_url)
+    ssl_files = {"ssl_ca_certs": config.redis_ssl_ca_certs, "ssl_certfile": config.redis_ssl_certfile,
+                 "ssl_keyfile": config.redis_ssl_keyfile}  # fmt: skip
+    ssl = {name: value for name, value in ssl_files.items() if value is not None}
+    if ssl and parts.scheme != "rediss":
+        raise ValueError(f"redis_ssl_* files need a rediss:// redis_url, not {parts.scheme}://")
+    user = config.redis_username if config.redis_username is not None else _unquote(parts.username)
+    password = config.redis_password if config.redis_password is not None else _unquote(parts.password)
+    rest = config.redis_url[len(parts.scheme) + 3 + len(parts.netloc) :]  # credentials go as arguments:
+    url = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{rest}"  # the URL's would win over them
+    timeouts: dict[str, float] = {"socket_timeout": config.redis_timeout_s}
+    if parts.scheme != "unix":
+        timeouts["socket_connect_timeout"] = config.redis_timeout_s
+    return redis.Redis.from_url(url, username=user, password=password, retry=Retry(NoBackoff(), 0), **timeouts, **ssl)
+
+
+class RedisTier(LowerTier):
+    """Pages of one layout (`fingerprint`) in the Redis server of `config`, shared by every process
+    using the same `redis_key_prefix` and fingerprint. Thread-safe; never raises for a Redis problem."""
+
+    name = "redis"
+    medium = "REDIS"
+
+    def __init__(
+        self, config: KVConnectorConfig, row_bytes: int, fingerprint: bytes, hash_algo: str,
+        *, emit: EventSink | None = None,
+    ) -> None:  # fmt: skip
+        if row_bytes <= 0 or len(fingerprint) != 16:
+            raise ValueError(f"row_bytes={row_bytes} must be > 0 and the fingerprint 16 bytes")
+        redis = _import_redis()
+        self.config = config
+        self.row_bytes = row_bytes
+        self.fingerprint = fingerprint
+        self.hash_algo = hash_algo
+        self.emit = emit
+        self.namespace = f"{config.redis_key_prefix}{fingerprint.hex()}:"
+        self.stats = TierStats("redis")
+        self.client = redis_client(config)
+        parts = urlsplit(config.redis_url or "")
+        self._where = parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}"
+        self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
+        self._log = OnceLogger("redis")
+        self._chunk = max(1, FETCH_CHUNK_BYTES // (HEADER_SIZE + row_bytes))
+        self._lock = threading.Lock()
+        self._down_until = 0.0  # time.monotonic() before which the tier is skipped
+        self._down_since: float | None = None  # when the last failure was marked (None: up)
+        self._writing: set[bytes] = set()  # keys a write job of this process is storing
+        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="pagedkv-redis")
+        self._inflight: set[Future[None]] = set()
+
+    def key(self, key: bytes) -> str:
+        """The Redis key of page `key`."""
+        return f"{self.namespace}{key.hex()}"
+
+    # ----------------------------------------------------------------- health
+    @property
+    def available(self) -> bool:
+        """False while the tier is skipped after a failure (`redis_retry_s`)."""
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        """Count and log (once) a failed operation; skip the tier for `redis_retry_s`."""
+        self.stats.add(errors=1)
+        with self._lock:
+            self._down_since = now = time.monotonic()
+            self._down_until = now + self.config.redis_retry_s
+        self._log.error("down", f"redis tier: {what} on {self._where} failed ({type(exc).__name__}: {exc}); Redis "
+                                f"is skipped for {self.config.redis_retry_s}s, pages are recomputed, serving "
+                                "continues")  # fmt: skip
+
+    def _succeeded(self, started: float) -> None:
+        """An operation that started at `started` worked: log the recovery once if it followed a failure."""
+        if self._down_since is None:
+            return
+        with self._lock:
+            recovered = self._down_since is not None and started >= self._down_since
+            if recovered:
+                self._down_since = None
+        if recovered:
+            self._log.recovered("down", f"redis tier: {self._where} answers again; pages are shared again")
+
+    # ----------------------------------------------------------------- reads
+    def fetch(self, keys: Sequence[bytes], dest: Sequence[memoryview]) -> int:
+        if len(keys) != len(dest):
+            raise ValueError(f"{len(keys)} keys but {len(dest)} destination rows")
+        if not keys or not self.available:
+            return 0
+        started = time.monotonic()
+        names = [self.key(k) for k in keys]
+        count = 0
+        try:
+            for lo in range(0, len(keys), self._chunk):
+                for value in self.client.mget(names[lo : lo + self._chunk]):
+                    if value is None or not self._accept(keys[count], names[count], value, dest[count]):
+                        self._succeeded(started)
+                        return count
+                    count += 1
+        except self._errors as exc:
+            self._failed("read", exc)
+            return count
+        self._succeeded(started)
+        return count
+
+    def _accept(self, key: bytes, name: str, value: bytes, view: memoryview) -> bool:
+        """Copy `value`'s row into `view` if it is the valid page `key`; otherwise refuse and delete it."""
+        payload = memoryview(value)[HEADER_SIZE:]
+        reason = check_page(decode_header(value), payload, key, self.fingerprint, self.hash_algo, self.row_bytes)
+        if reason is None:
+            view.cast("B")[:] = payload
+            return True
+        self.stats.add(refused=1)
+        self._log.error("refused", f"redis tier: refused {name}: {reason}; it is deleted and the page recomputed")
+        self.client.unlink(name)
+        if self.emit is not None:
+            self.emit(BlockRemoved([key], self.medium))
+        return False
+
+    # ----------------------------------------------------------------- writes
+    def store(self, keys: Sequence[bytes], rows: Sequence[memoryview], done: Done) -> None:
+        if len(keys) != len(rows):
+            raise ValueError(f"{len(keys)} keys but {len(rows)} rows")
+        if not self.available:
+            self.stats.add(skipped_writes=len(keys))
+            for i in range(len(keys)):
+                done(i)
+            return
+        todo: list[int] = []
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key not in self._writing:
+                    self._writing.add(key)
+                    todo.append(i)
+        for i in sorted(set(range(len(keys))) - set(todo)):
+            done(i)  # another job of this process is writing that page
+        size = max(1, -(-len(todo) // self.config.io_threads))
+        for lo in range(0, len(todo), size):
+            index = todo[lo : lo + size]
+            future = self._pool.submit(self._write, [keys[i] for i in index], [rows[i] for i in index], index, done)
+            self._inflight.add(future)
+            future.add_done_callback(self._inflight.discard)
+
+    def _write(self, keys: list[bytes], rows: list[memoryview], index: list[int], done: Done) -> None:
+        """One pipelined EXISTS, then SET NX (EX ttl) of the missing pages; `done` once rows are copied."""
+        started = time.monotonic()
+        pending = list(index)  # rows whose `done` is not called yet
+        stored = 0
+        ttl = self.config.redis_ttl_s
+        try:
+            if not self.available:
+                self.stats.add(skipped_writes=len(keys))
+                return
+            names = [self.key(k) for k in keys]
+            with self.client.pipeline(transaction=False) as pipe:
+                for name in names:
+                    pipe.exists(name)
+                present = pipe.execute()
+            values = {name: b"".join((encode_header(key, row, self.fingerprint, self.hash_algo), row))
+                      for key, row, name, there in zip(keys, rows, names, present, strict=True) if not there}  # fmt: skip
+            for i in pending:
+                done(i)  # every row is copied (or not needed): the caller may reuse it
+            pending = []
+            if values or ttl is not None:
+                with self.client.pipeline(transaction=False) as pipe:
+                    for name in names:
+                        if name in values:
+                            pipe.set(name, values[name], nx=True, ex=ttl)
+                        elif ttl is not None:
+                            pipe.expire(name, ttl)  # offered again: keep it for another ttl
+                    results = pipe.execute()
+                sent = [name for name in names if name in values or ttl is not None]
+                stored = sum(1 for name, ok in zip(sent, results, strict=True) if name in values and ok)
+        except self._errors as exc:
+            self.stats.add(skipped_writes=len(keys))
+            self._failed("write", exc)
+        else:
+            if stored:
+                self.stats.add(pages_stored=stored, bytes_stored=stored * self.row_bytes)
+            self.stats.observe("store", time.monotonic() - started)
+            self._succeeded(started)
+        finally:
+            for i in pending:
+                done(i)
+            with self._lock:
+                self._writing.difference_update(keys)
+
+    # ----------------------------------------------------------------- maintenance
+    def wait(self) -> None:
+        for future in list(self._inflight):
+            future.result()
+
+    def reset(self) -> int:
+        """Delete every page of this prefix and layout on the server (every process's: SCAN + UNLINK);
+        returns how many. 0 while the tier is skipped after a failure."""
+        self.wait()
+        if not self.available:
+            return 0
+        started = time.monotonic()
+        pattern = "".join("\\" + c if c in "\\*?[]" else c for c in self.namespace) + "*"
+        deleted = 0
+        removed: list[bytes] = []
+        try:
+            names = list(self.client.scan_iter(match=pattern, count=SCAN_COUNT))
+            for lo in range(0, len(names), SCAN_COUNT):
+                deleted += self.client.unlink(*names[lo : lo + SCAN_COUNT])
+                removed.extend(names[lo : lo + SCAN_COUNT])
+        except self._errors as exc:
+            self._failed("reset", exc)
+        else:
+            self._succeeded(started)
+        if self.emit is not None and removed:
+            self.emit(BlockRemoved([k for k in map(self._page_key, removed) if k is not None], self.medium))
+        return deleted
+
+    def _page_key(self, name: bytes) -> bytes | None:
+        """The content hash in Redis key `name` (None if it is not one of ours)."""
+        try:
+            return bytes.fromhex(name.decode()[len(self.namespace) :])
+        except ValueError:
+            return None
+
+    def shutdown(self) -> None:
+        """Finish pending writes (each bounded by the timeouts; skipped once the server is found gone),
+        stop the threads and close the connections."""
+        self.wait()
+        self._pool.shutdown(wait=True)
+        try:
+            self.client.close()
+        except self._errors:
+            pass
