@@ -44,7 +44,11 @@ class KVConnectorConfig:
         disk_offload_dir: directory of the disk tier (created if missing).
         disk_offload_max_gb: size cap of the disk tier; least recently used pages
             are deleted to stay under it.
-        redis_url: ``redis://[user:password@]host:port/db``, or ``rediss://`` for TLS.
+        redis_url: ``redis://[user:password@]host:port/db``, ``rediss://`` for TLS, or
+            ``unix:///path/redis.sock``. ``redis+cluster://[user:password@]host:port``
+            (``rediss+cluster://`` for TLS) uses a Redis Cluster: the URL names one
+            startup node, the client discovers the others, and the pages spread over
+            every primary (database 0 only).
         redis_username / redis_password: ACL user and password (override the URL's).
         redis_key_prefix: prepended to every key (namespaces a shared server).
         redis_ssl_ca_certs / redis_ssl_certfile / redis_ssl_keyfile: TLS files.
@@ -83,8 +87,10 @@ class KVConnectorConfig:
         if self.redis_ttl_s is not None:
             check_int("redis_ttl_s", self.redis_ttl_s, 1)
         check_int("io_threads", self.io_threads, 1)
-        if self.redis_url is not None and urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"redis_url={self.redis_url!r} must start with redis://, rediss:// or unix://")
+        schemes = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+        if self.redis_url is not None and urlsplit(self.redis_url).scheme not in schemes:
+            raise ValueError(f"redis_url={self.redis_url!r} must start with redis://, rediss://, unix://, "
+                             "redis+cluster:// or rediss+cluster://")  # fmt: skip
 
     @property
     def disk_max_bytes(self) -> int:

@@ -160,14 +160,14 @@ def run_tier_demo(
 
 
 def _delete_redis_keys(url: str, prefix: str) -> None:
-    """Remove the demo's keys (its own random prefix) from the server."""
+    """Remove the demo's keys (its own random prefix) from the server (every node of a cluster)."""
     try:
-        import redis
+        from pagedkv.connector_config import KVConnectorConfig
+        from pagedkv.offload.redis_client import redis_client
 
-        client = redis.Redis.from_url(url)
-        keys = list(client.scan_iter(match=prefix + "*", count=1000))
-        if keys:
-            client.unlink(*keys)
+        client = redis_client(KVConnectorConfig(redis_url=url))
+        for key in client.scan_iter(match=prefix + "*", count=1000):
+            client.unlink(key)
     except Exception as exc:  # noqa: BLE001 - cleanup is best effort: report and go on
         print(f"  (could not delete the demo's Redis keys: {exc})")
 

@@ -20,9 +20,15 @@ tier is skipped without a network call for `redis_retry_s`, then tried
 again; the first success after that logs the recovery once. Nothing raises
 into the engine, which recomputes what it could not load.
 
-Valkey works unchanged (same protocol). Redis Cluster is not supported yet:
-the keys of one prefix hash to different slots, so reads would need a
-pipeline per slot (`redis.cluster.RedisCluster`).
+Valkey works unchanged (same protocol). A ``redis+cluster://host:port`` URL
+(``rediss+cluster://`` for TLS) uses a Redis Cluster (`redis.cluster.RedisCluster`,
+see `offload.redis_client`): page keys carry no hash tag, so one batch spreads
+over the slots of every primary; reads are ``mget_nonatomic`` (one MGET per
+slot, pipelined per node), writes the same per-node pipelines, and `reset`
+SCANs every primary. A node that is down fails the whole call like a dead
+server: counted, a miss, retried after `redis_retry_s`. The cluster client
+connects (discovers the nodes) on first use, so an unreachable cluster at
+startup is an error counted like any other.
 """
 
 from __future__ import annotations
@@ -32,57 +38,18 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.events import BlockRemoved, EventSink
 from pagedkv.core.tier_stats import TierStats
 from pagedkv.offload.format import HEADER_SIZE, check_page, decode_header, encode_header
+from pagedkv.offload.redis_client import client_factory, import_redis, is_cluster, redis_client, where
 from pagedkv.offload.tier import Done, LowerTier, OnceLogger
 
 __all__ = ["FETCH_CHUNK_BYTES", "RedisTier", "redis_client"]
 
 FETCH_CHUNK_BYTES = 32 * 2**20  # one MGET reads at most this much; a long prefix takes several round trips
 SCAN_COUNT = 512
-
-
-def _import_redis() -> Any:
-    try:
-        import redis
-    except ImportError as exc:
-        hint = "kv_connector='redis' needs the redis package (redis-py): pip install 'pagedkv[tiers]'"
-        raise ImportError(hint) from exc
-    return redis
-
-
-def _unquote(part: str | None) -> str | None:
-    return unquote(part) if part else None
-
-
-def redis_client(config: KVConnectorConfig) -> Any:
-    """A `redis.Redis` for `config`: its URL (``redis://``, ``rediss://`` TLS, ``unix://``), with
-    `redis_username` / `redis_password` overriding the URL's, the TLS files (``rediss://`` only),
-    `redis_timeout_s` as connect and socket timeout, and no client-side retry. Connects lazily."""
-    redis = _import_redis()
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    if config.redis_url is None:
-        raise ValueError("the redis tier needs KVConnectorConfig(redis_url=...)")
-    parts = urlsplit(config.redis_url)
-    ssl_files = {"ssl_ca_certs": config.redis_ssl_ca_certs, "ssl_certfile": config.redis_ssl_certfile,
-                 "ssl_keyfile": config.redis_ssl_keyfile}  # fmt: skip
-    ssl = {name: value for name, value in ssl_files.items() if value is not None}
-    if ssl and parts.scheme != "rediss":
-        raise ValueError(f"redis_ssl_* files need a rediss:// redis_url, not {parts.scheme}://")
-    user = config.redis_username if config.redis_username is not None else _unquote(parts.username)
-    password = config.redis_password if config.redis_password is not None else _unquote(parts.password)
-    rest = config.redis_url[len(parts.scheme) + 3 + len(parts.netloc) :]  # credentials go as arguments:
-    url = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{rest}"  # the URL's would win over them
-    timeouts: dict[str, float] = {"socket_timeout": config.redis_timeout_s}
-    if parts.scheme != "unix":
-        timeouts["socket_connect_timeout"] = config.redis_timeout_s
-    return redis.Redis.from_url(url, username=user, password=password, retry=Retry(NoBackoff(), 0), **timeouts, **ssl)
 
 
 class RedisTier(LowerTier):
@@ -98,7 +65,7 @@ class RedisTier(LowerTier):
     ) -> None:  # fmt: skip
         if row_bytes <= 0 or len(fingerprint) != 16:
             raise ValueError(f"row_bytes={row_bytes} must be > 0 and the fingerprint 16 bytes")
-        redis = _import_redis()
+        redis = import_redis()
         self.config = config
         self.row_bytes = row_bytes
         self.fingerprint = fingerprint
@@ -106,10 +73,12 @@ class RedisTier(LowerTier):
         self.emit = emit
         self.namespace = f"{config.redis_key_prefix}{fingerprint.hex()}:"
         self.stats = TierStats("redis")
-        self.client = redis_client(config)
-        parts = urlsplit(config.redis_url or "")
-        self._where = parts.path if parts.scheme == "unix" else f"{parts.hostname}:{parts.port or 6379}"
-        self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
+        self.cluster = is_cluster(config.redis_url)
+        self._connect = client_factory(config)  # checks the config now; builds the client on first use
+        self._client: Any = None if self.cluster else self._connect()  # a server's client connects lazily
+        self._where = where(config.redis_url)
+        self._errors: tuple[type[BaseException], ...] = (
+            redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)  # fmt: skip
         self._log = OnceLogger("redis")
         self._chunk = max(1, FETCH_CHUNK_BYTES // (HEADER_SIZE + row_bytes))
         self._lock = threading.Lock()
@@ -118,6 +87,16 @@ class RedisTier(LowerTier):
         self._writing: set[bytes] = set()  # keys a write job of this process is storing
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="pagedkv-redis")
         self._inflight: set[Future[None]] = set()
+
+    @property
+    def client(self) -> Any:
+        """The `redis.Redis` (or `RedisCluster`) of the tier, built on first use (a cluster client connects
+        then, raising a Redis error the caller counts if the cluster cannot be reached)."""
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._connect()
+        return self._client
 
     def key(self, key: bytes) -> str:
         """The Redis key of page `key`."""
@@ -160,8 +139,9 @@ class RedisTier(LowerTier):
         names = [self.key(k) for k in keys]
         count = 0
         try:
+            mget = self.client.mget_nonatomic if self.cluster else self.client.mget  # cluster: MGET per slot
             for lo in range(0, len(keys), self._chunk):
-                for value in self.client.mget(names[lo : lo + self._chunk]):
+                for value in mget(names[lo : lo + self._chunk]):
                     if value is None or not self._accept(keys[count], names[count], value, dest[count]):
                         self._succeeded(started)
                         return count
@@ -294,7 +274,9 @@ class RedisTier(LowerTier):
         stop the threads and close the connections."""
         self.wait()
         self._pool.shutdown(wait=True)
+        if self._client is None:
+            return
         try:
-            self.client.close()
+            self._client.close()
         except self._errors:
             pass
