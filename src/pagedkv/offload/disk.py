@@ -15,8 +15,9 @@ at start by listing the directory (LRU order = file modification time).
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import io
+import itertools
 import os
 import threading
 import time
@@ -31,6 +32,8 @@ from pagedkv.offload.format import HEADER_SIZE, check_page, decode_header, encod
 from pagedkv.offload.tier import Done, LowerTier, OnceLogger
 
 __all__ = ["DiskTier"]
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
 
 
 class DiskTier(LowerTier):
@@ -56,14 +59,20 @@ class DiskTier(LowerTier):
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, None] = OrderedDict()  # pages on disk, oldest first
         self._writing: set[bytes] = set()
+        self._threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pagedkv-disk")
         self._inflight: set[object] = set()
+        self._root = str(self.root)
         self._scan()
 
     # ----------------------------------------------------------------- layout
     def path(self, key: bytes) -> Path:
         """Where page `key` lives."""
-        return self.root / f"{key[0]:02x}" / f"{key.hex()}.page"
+        return Path(self._file(key))
+
+    def _file(self, key: bytes) -> str:
+        """`path(key)` as a string (no pathlib on the hot paths)."""
+        return f"{self._root}/{key[0]:02x}/{key.hex()}.page"
 
     def _scan(self) -> None:
         """Rebuild the index from the files a previous process left (and drop unfinished ones)."""
@@ -92,15 +101,33 @@ class DiskTier(LowerTier):
 
     # ----------------------------------------------------------------- reads
     def fetch(self, keys: Sequence[bytes], dest: Sequence[memoryview]) -> int:
-        futures = [self._pool.submit(self._read, key, view) for key, view in zip(keys, dest, strict=True)]
-        count = 0
-        for future in futures:
-            if not future.result():
-                break
-            count += 1
-        for future in futures[count:]:  # nothing may write into `dest` after we return
-            if not future.cancel():
-                future.result()
+        """Up to `threads` readers (the calling thread one of them) take every `threads`-th page, in
+        order; a miss or refusal at page i stops every reader at i (pages before it are all read)."""
+        total = len(keys)
+        if total != len(dest):
+            raise ValueError(f"{len(keys)} keys but {len(dest)} destination rows")
+        stop = [total]  # the lowest page index that failed
+
+        def reader(first: int, step: int) -> None:
+            for i in range(first, total, step):
+                if i >= stop[0]:
+                    return
+                if not self._read(keys[i], dest[i]):
+                    with self._lock:
+                        stop[0] = min(stop[0], i)
+                    return
+
+        step = max(1, min(self._threads, total))
+        futures = [(first, self._pool.submit(reader, first, step)) for first in range(1, step)]
+        try:
+            reader(0, step)
+        finally:
+            for first, future in futures:  # nothing may write into `dest` after we return
+                if future.cancel():  # not started (the pool is busy writing): read its pages here
+                    reader(first, step)
+                else:
+                    future.result()
+        count = stop[0]
         with self._lock:
             for key in keys[:count]:
                 if key in self._index:
@@ -110,18 +137,23 @@ class DiskTier(LowerTier):
         return count
 
     def _read(self, key: bytes, view: memoryview) -> bool:
-        path = self.path(key)
+        path = self._file(key)
+        header = bytearray(HEADER_SIZE)
         try:
-            with open(path, "rb", buffering=0) as f:
-                header = decode_header(f.read(HEADER_SIZE))
-                got = _read_all(f, view)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return False
         except OSError as exc:
-            self.stats.add(errors=1)
-            self._log.error("read", f"disk tier: reading {path} failed ({exc}); the page is recomputed")
-            return False
-        reason = check_page(header, view[:got], key, self.fingerprint, self.hash_algo, self.row_bytes)
+            return self._read_failed(path, exc)
+        try:
+            got = _read_all(fd, [header, view]) - HEADER_SIZE  # one preadv for header and row
+        except OSError as exc:
+            return self._read_failed(path, exc)
+        finally:
+            os.close(fd)
+        decoded = decode_header(memoryview(header)) if got >= 0 else None
+        got = max(0, got)
+        reason = check_page(decoded, view[:got], key, self.fingerprint, self.hash_algo, self.row_bytes)
         if reason is None and got == self.row_bytes:
             return True
         self.stats.add(refused=1)
@@ -129,33 +161,59 @@ class DiskTier(LowerTier):
         self._delete([key])
         return False
 
+    def _read_failed(self, path: str, exc: OSError) -> bool:
+        self.stats.add(errors=1)
+        self._log.error("read", f"disk tier: reading {path} failed ({exc}); the page is recomputed")
+        return False
+
     # ----------------------------------------------------------------- writes
     def store(self, keys: Sequence[bytes], rows: Sequence[memoryview], done: Done) -> None:
-        for i, (key, row) in enumerate(zip(keys, rows, strict=True)):
-            with self._lock:
-                skip = key in self._index or key in self._writing
-                if not skip:
+        """The pages not stored nor being written go to up to `threads` jobs (every `threads`-th page
+        each): one task per job, not per page, so small pages do not pay a thread handoff each."""
+        if len(keys) != len(rows):
+            raise ValueError(f"{len(keys)} keys but {len(rows)} rows")
+        todo: list[int] = []
+        skipped: list[int] = []
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key in self._index or key in self._writing:
+                    skipped.append(i)
+                else:
                     self._writing.add(key)
-            if skip:
-                done(i)
-                continue
-            future = self._pool.submit(self._write, key, row, i, done)
+                    todo.append(i)
+        for i in skipped:
+            done(i)
+        jobs = min(self._threads, len(todo))
+        for first in range(jobs):
+            index = todo[first::jobs]
+            future = self._pool.submit(self._write_job, [keys[i] for i in index], [rows[i] for i in index], index, done)
             self._inflight.add(future)
             future.add_done_callback(self._inflight.discard)
 
+    def _write_job(self, keys: list[bytes], rows: list[memoryview], index: list[int], done: Done) -> None:
+        for key, row, i in zip(keys, rows, index, strict=True):
+            self._write(key, row, i, done)
+
     def _write(self, key: bytes, row: memoryview, i: int, done: Done) -> None:
-        path = self.path(key)
-        tmp = path.with_name(f"{path.stem}.{threading.get_ident()}.tmp")
+        path = self._file(key)
+        tmp = f"{path[:-5]}.{threading.get_ident()}.tmp"
         start = time.perf_counter()
         try:
             self._make_room()
-            path.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb", buffering=0) as f:
-                _write_all(f, memoryview(encode_header(key, row, self.fingerprint, self.hash_algo)))
-                _write_all(f, row)
+            header = encode_header(key, row, self.fingerprint, self.hash_algo)
+            try:
+                fd = os.open(tmp, _CREATE, 0o644)
+            except FileNotFoundError:  # the first page of this bucket (or its directory was removed)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = os.open(tmp, _CREATE, 0o644)
+            try:
+                _write_all(fd, [header, row])  # one writev for header and row
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
             self.stats.add(errors=1, skipped_writes=1)
             full = exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
             self._log.error("full" if full else "write",
@@ -177,7 +235,7 @@ class DiskTier(LowerTier):
         """Delete least recently used pages until one more fits under the cap."""
         with self._lock:
             over = len(self._index) + len(self._writing) - self.capacity
-            victims = list(self._index)[: max(0, over)]
+            victims = list(itertools.islice(self._index, over)) if over > 0 else []  # O(victims), not O(index)
         if victims:
             self.stats.add(evictions=len(victims))
             self._delete(victims)
@@ -208,23 +266,34 @@ class DiskTier(LowerTier):
         self._pool.shutdown(wait=True)
 
 
-def _write_all(f: io.RawIOBase, data: memoryview) -> None:
-    """Write all of `data` (a raw file may take less per call; the call after a short one raises)."""
-    data = data.cast("B")
-    while data:
-        n = f.write(data)
+def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
+    """Write all of `parts` at the file's position (writev; a short write is resumed, and the
+    call after one that could not write everything raises, e.g. EFBIG or ENOSPC)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        n = os.writev(fd, views)
         if not n:
             raise OSError(errno.EIO, "write returned 0")
-        data = data[n:]
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views:
+            views[0] = views[0][n:]
 
 
-def _read_all(f: io.RawIOBase, view: memoryview) -> int:
-    """Read into all of `view` unless the file ends first; returns the bytes read."""
-    view = view.cast("B")
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
+def _read_all(fd: int, parts: list[bytearray | memoryview]) -> int:
+    """Read the file from its start into `parts` in order until they are full or it ends (preadv);
+    returns the bytes read."""
+    views = [memoryview(p).cast("B") for p in parts]
+    total = 0
+    while views:
+        n = os.preadv(fd, views, total)
         if not n:
             break
-        got += n
-    return got
+        total += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views:
+            views[0] = views[0][n:]
+    return total
