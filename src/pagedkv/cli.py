@@ -1,4 +1,4 @@
-"""The `pagedkv` command: `pagedkv demo` and `pagedkv bench {manager,attention,triton,fp8,engine,hybrid}`."""
+"""The `pagedkv` command: `pagedkv demo` and `pagedkv bench {manager,attention,triton,fp8,engine,hybrid,tiers}`."""
 
 from __future__ import annotations
 
@@ -61,6 +61,23 @@ def _parser() -> argparse.ArgumentParser:
     hyb.add_argument("--seed", type=int, default=0)
     hyb.add_argument("--repeats", type=int, default=5, help="alternated decode runs; the best of each is kept")
     hyb.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    tie = kinds.add_parser("tiers", help="tier offload / load throughput vs the raw medium; TTFT from a warm tier")
+    tie.add_argument("--shapes", default="llama3-8b,llama3.2-1b", help="page shapes (llama3-8b: 2 MiB, llama3.2-1b)")
+    tie.add_argument("--tiers", default="host,disk,redis", help="which tiers to measure (comma-separated)")
+    tie.add_argument("--mib", type=int, default=256, help="MiB of pages moved per pass, per shape")
+    tie.add_argument("--batch", type=int, default=64, help="pages per offload / load call")
+    tie.add_argument("--repeats", type=int, default=5, help="alternated runs; the best of each side is kept")
+    tie.add_argument("--io-threads", type=int, default=4, help="disk / Redis tier threads (KVConnectorConfig)")
+    tie.add_argument("--dir", help="directory for the disk files (default: the system's temp directory)")
+    tie.add_argument("--redis-url", help="use this Redis server instead of starting redis-server")
+    tie.add_argument("--no-cold", action="store_true", help="skip the disk reads after dropping the page cache")
+    tie.add_argument("--no-ttft", action="store_true", help="skip the time-to-first-token part")
+    tie.add_argument("--ttft-prompts", type=int, default=4)
+    tie.add_argument("--ttft-prompt-len", type=int, default=1024)
+    tie.add_argument("--ttft-repeats", type=int, default=3)
+    tie.add_argument("--ttft-hidden", type=int, default=512, help="hidden size of the TTFT model")
+    tie.add_argument("--ttft-layers", type=int, default=8)
+    tie.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     return parser
 
 
@@ -108,6 +125,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         result = run_hybrid_bench(num_requests=args.requests, seed=args.seed, repeats=args.repeats)
         return _report(format_hybrid_report(result), result, args.json)
+    if args.bench == "tiers":
+        from pagedkv.bench.tiers_bench import format_tiers_report, run_tiers_bench
+
+        ttft_options = dict(num_prompts=args.ttft_prompts, prompt_len=args.ttft_prompt_len,
+                            repeats=args.ttft_repeats, hidden=args.ttft_hidden, layers=args.ttft_layers)  # fmt: skip
+        result = run_tiers_bench(
+            shapes=tuple(args.shapes.split(",")), mib=args.mib, batch=args.batch, repeats=args.repeats,
+            tiers=tuple(args.tiers.split(",")), directory=args.dir, redis_url=args.redis_url, cold=not args.no_cold,
+            io_threads=args.io_threads, ttft=not args.no_ttft, ttft_options=ttft_options,
+        )  # fmt: skip
+        return _report(format_tiers_report(result), result, args.json)
     if args.bench == "engine":
         import torch
 
