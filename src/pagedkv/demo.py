@@ -10,7 +10,6 @@ that each output is the same, token for token.
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import torch
 
 from pagedkv.bench.manager_bench import print_progress
 
-__all__ = ["run_demo", "DemoWorkload", "build_demo_model"]
+__all__ = ["run_demo", "DemoWorkload", "build_demo_model", "build_llama"]
 
 
 @dataclass(frozen=True)
@@ -46,19 +45,25 @@ class DemoWorkload:
         return prompts
 
 
-def build_demo_model(seed: int = 0, attn_implementation: str = "eager") -> Any:
-    """A 4-layer Llama-style model (hidden 128, GQA 8:2 heads, vocab 512) with seeded random weights."""
+def build_llama(seed: int = 0, attn_implementation: str = "eager", **config: Any) -> Any:
+    """A Llama-style causal LM from `config` (`LlamaConfig` fields) with seeded random weights, no
+    BOS/EOS (every request generates its `max_new_tokens`), pad id 0, in eval mode."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1, eos_token_id=None,
-        bos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
+    fields: dict[str, Any] = dict(eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    fields.update(config)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation=attn_implementation)
+    model = LlamaForCausalLM._from_config(LlamaConfig(**fields), attn_implementation=attn_implementation)
     model.generation_config.eos_token_id = None
     return model.eval()
+
+
+def build_demo_model(seed: int = 0, attn_implementation: str = "eager") -> Any:
+    """A 4-layer Llama-style model (hidden 128, GQA 8:2 heads, vocab 512) with seeded random weights."""
+    return build_llama(
+        seed, attn_implementation, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
+    )  # fmt: skip
 
 
 def load_model(path: str | None, seed: int = 0, attn_implementation: str = "eager") -> Any:

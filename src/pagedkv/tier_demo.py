@@ -34,18 +34,12 @@ TierDemoSpec = dict[str, Any]  # JSON: connector, dir, redis_url, prefix, seed, 
 
 def build_tier_model(seed: int = 0) -> Any:
     """The tier demo's model: Llama-style, 8 layers, hidden 512, GQA 8:4, vocab 2048, seeded weights."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from pagedkv.demo import build_llama
 
-    config = LlamaConfig(
-        vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=4096, initializer_range=0.05, eos_token_id=None,
-        bos_token_id=None, pad_token_id=0,
+    return build_llama(
+        seed, vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=4096, initializer_range=0.05,
     )  # fmt: skip
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM._from_config(config, attn_implementation="eager")
-    model.generation_config.eos_token_id = None
-    return model.eval()
 
 
 def prompts(spec: TierDemoSpec, vocab: int) -> list[list[int]]:

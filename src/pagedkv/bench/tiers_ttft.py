@@ -17,7 +17,6 @@ request's own prefill, no queueing). Two processes:
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import statistics
@@ -37,19 +36,14 @@ LABELS = {
 
 def build_model(spec: dict[str, Any]) -> Any:
     """The seeded Llama-style model of `spec` (fp32, eval mode)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from pagedkv.demo import build_llama
 
     hidden, heads = spec["hidden"], spec["heads"]
-    config = LlamaConfig(
-        vocab_size=spec["vocab"], hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=spec["layers"],
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=spec["prompt_len"] + 256,
-        initializer_range=0.05, eos_token_id=None, bos_token_id=None, pad_token_id=0,
+    return build_llama(
+        spec["seed"], vocab_size=spec["vocab"], hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=spec["layers"], num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=spec["prompt_len"] + 256, initializer_range=0.05,
     )  # fmt: skip
-    torch.manual_seed(spec["seed"])
-    model = LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="eager")
-    model.generation_config.eos_token_id = None
-    return model.eval()
 
 
 def prompts(spec: dict[str, Any]) -> list[list[int]]:
