@@ -157,11 +157,10 @@ def _delete_redis_keys(url: str, prefix: str) -> None:
     """Remove the demo's keys (its own random prefix) from the server (every node of a cluster)."""
     try:
         from pagedkv.connector_config import KVConnectorConfig
-        from pagedkv.offload.redis_client import redis_client
+        from pagedkv.offload.redis_client import redis_client, unlink_prefix
 
-        client = redis_client(KVConnectorConfig(redis_url=url))
-        for key in client.scan_iter(match=prefix + "*", count=1000):
-            client.unlink(key)
+        for _ in unlink_prefix(redis_client(KVConnectorConfig(redis_url=url)), prefix):
+            pass
     except Exception as exc:  # noqa: BLE001 - cleanup is best effort: report and go on
         print(f"  (could not delete the demo's Redis keys: {exc})")
 

@@ -13,13 +13,14 @@ per-node pipelines). redis-py is imported only here, and only when a tier is bui
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from pagedkv.connector_config import KVConnectorConfig
 
-__all__ = ["CLUSTER_SCHEMES", "client_factory", "import_redis", "is_cluster", "redis_client", "where"]
+__all__ = ["CLUSTER_SCHEMES", "client_factory", "import_redis", "is_cluster", "redis_client", "unlink_prefix", "where"]
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}  # -> the scheme redis-py parses
 
@@ -92,3 +93,15 @@ def client_factory(config: KVConnectorConfig) -> partial[Any]:
 def redis_client(config: KVConnectorConfig) -> Any:
     """The client of `config` (see `client_factory`); a cluster client connects here."""
     return client_factory(config)()
+
+
+def unlink_prefix(client: Any, prefix: str, batch: int = 512) -> Iterator[tuple[int, list[bytes]]]:
+    """Delete every key that starts with `prefix` (glob characters in it are escaped): SCAN, then
+    UNLINK in batches of `batch` names (a cluster client scans every primary and splits each UNLINK
+    per slot). Yields, per batch, how many keys the server deleted and the names sent, so a caller
+    that stops on an error knows what went before. Redis errors propagate."""
+    pattern = "".join("\\" + c if c in "\\*?[]" else c for c in prefix) + "*"
+    names = list(client.scan_iter(match=pattern, count=batch))
+    for lo in range(0, len(names), batch):
+        chunk = names[lo : lo + batch]
+        yield client.unlink(*chunk), chunk

@@ -43,7 +43,7 @@ from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.events import BlockRemoved, EventSink
 from pagedkv.core.tier_stats import TierStats
 from pagedkv.offload.format import HEADER_SIZE, check_page, decode_header, encode_header
-from pagedkv.offload.redis_client import client_factory, import_redis, is_cluster, redis_client, where
+from pagedkv.offload.redis_client import client_factory, import_redis, is_cluster, redis_client, unlink_prefix, where
 from pagedkv.offload.tier import Done, LowerTier, OnceLogger
 
 __all__ = ["FETCH_CHUNK_BYTES", "RedisTier", "redis_client"]
@@ -246,14 +246,12 @@ class RedisTier(LowerTier):
         if not self.available:
             return 0
         started = time.monotonic()
-        pattern = "".join("\\" + c if c in "\\*?[]" else c for c in self.namespace) + "*"
         deleted = 0
         removed: list[bytes] = []
         try:
-            names = list(self.client.scan_iter(match=pattern, count=SCAN_COUNT))
-            for lo in range(0, len(names), SCAN_COUNT):
-                deleted += self.client.unlink(*names[lo : lo + SCAN_COUNT])
-                removed.extend(names[lo : lo + SCAN_COUNT])
+            for count, names in unlink_prefix(self.client, self.namespace, SCAN_COUNT):
+                deleted += count
+                removed.extend(names)
         except self._errors as exc:
             self._failed("reset", exc)
         else:
