@@ -101,14 +101,10 @@ class Scheduler:
             if chunk is None:
                 break  # wait for running requests to free pages
             self.waiting.popleft()
-            if swapped:  # resumed where it stopped: nothing is recomputed
-                budget -= self._window(request, chunk)
-                self.running.append(request)
-                admitted.append(request)
-                continue
-            request.cached_tokens += request.ctx.cached_prefix_length
-            self.admitted_tokens += len(request.ctx.tokens)
-            self.cached_tokens += request.ctx.cached_prefix_length
+            if not swapped:  # a swapped request resumes where it stopped: no prompt is admitted again
+                request.cached_tokens += request.ctx.cached_prefix_length
+                self.admitted_tokens += len(request.ctx.tokens)
+                self.cached_tokens += request.ctx.cached_prefix_length
             budget -= self._window(request, chunk)
             self.running.append(request)
             admitted.append(request)

@@ -62,9 +62,9 @@ class SwapAccess:
         bm = self._bm(replica_idx)
         space = self._swap_space(replica_idx)
         pages, record = swap.snapshot(bm, request_id)  # validates: claimed, not a dummy
-        if space is None or len(pages) > space.rows_available():
+        if space is None:
             return False
-        slots = space.swap_out(pages)
+        slots = space.swap_out(pages)  # None when the host tier cannot lend that many rows
         if slots is None:
             return False
         bm.release(request_id)

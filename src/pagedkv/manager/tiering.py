@@ -159,32 +159,35 @@ class TierAccess:
     def _bm(self, replica_idx: int) -> BlockManager:  # pragma: no cover - PagedKVCacheManager's
         raise NotImplementedError
 
+    def _connector(self, replica_idx: int) -> Any:
+        """The replica's connector, or None without tiers (validates `replica_idx`)."""
+        self._bm(replica_idx)
+        return self.tiers.connectors[replica_idx] if self.tiers.connectors else None
+
     def get_num_host_pages(self, replica_idx: int = 0) -> int:
         """Host-tier pages of the replica (0 without a host tier)."""
-        self._bm(replica_idx)
-        return self.tiers.connectors[replica_idx].num_host_blocks if self.tiers.connectors else 0
+        connector = self._connector(replica_idx)
+        return connector.num_host_blocks if connector else 0
 
     def get_num_used_host_pages(self, replica_idx: int = 0) -> int:
         """Host-tier pages holding cached KV."""
-        self._bm(replica_idx)
-        return self.tiers.connectors[replica_idx].num_used_host_blocks if self.tiers.connectors else 0
+        connector = self._connector(replica_idx)
+        return connector.num_used_host_blocks if connector else 0
 
     def get_num_disk_pages(self, replica_idx: int = 0) -> int:
         """Disk-tier pages the replica may use (its size cap; 0 without a disk tier)."""
-        self._bm(replica_idx)
-        return self.tiers.connectors[replica_idx].num_disk_blocks if self.tiers.connectors else 0
+        connector = self._connector(replica_idx)
+        return connector.num_disk_blocks if connector else 0
 
     def get_num_used_disk_pages(self, replica_idx: int = 0) -> int:
         """Disk-tier pages holding cached KV."""
-        self._bm(replica_idx)
-        return self.tiers.connectors[replica_idx].num_used_disk_blocks if self.tiers.connectors else 0
+        connector = self._connector(replica_idx)
+        return connector.num_used_disk_blocks if connector else 0
 
     def tier_stats(self, replica_idx: int = 0) -> dict[str, dict[str, object]]:
         """Each tier's counters (`TierStats.snapshot`) by name: "host", "disk", "redis"."""
-        self._bm(replica_idx)
-        if not self.tiers.connectors:
-            return {}
-        return {name: stats.snapshot() for name, stats in self.tiers.connectors[replica_idx].stats.items()}
+        connector = self._connector(replica_idx)
+        return {name: stats.snapshot() for name, stats in connector.stats.items()} if connector else {}
 
     def add_kv_event_listener(self, listener: Callable[[KVEventBatch], None]) -> None:
         """Call `listener(batch)` with each replica's KV events once per `step` (and on
