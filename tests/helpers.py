@@ -66,3 +66,20 @@ def drive(bm: BlockManager, c: TextContext, tokens: list[int]) -> None:
         c.update(token)
         bm.step(c)
         bm.check_integrity()
+
+
+def decode(mgr: Any, model: Any, c: TextContext, steps: int, first: int = 100) -> None:
+    """`steps` forwards of claimed `c` through a manager and a `PrefixStampModel` (which checks every
+    cached position it reads): alloc, model.forward, update(first + t), step."""
+    for t in range(steps):
+        mgr.alloc(c)
+        model.forward([[c]])
+        c.update(first + t)
+        mgr.step([[c]])
+
+
+def serve(mgr: Any, model: Any, c: TextContext, new_tokens: int) -> None:
+    """claim `c`, `decode` `new_tokens` tokens (100, 101, ...), release it."""
+    mgr.claim(c.request_id)
+    decode(mgr, model, c, new_tokens)
+    mgr.release(c.request_id)

@@ -15,7 +15,7 @@ import pytest
 zmq = pytest.importorskip("zmq")
 msgspec = pytest.importorskip("msgspec")
 
-from helpers import ctx, make_params  # noqa: E402
+from helpers import ctx, make_params, serve  # noqa: E402
 from pagedkv.core import events as ev  # noqa: E402
 from pagedkv.manager.paged import PagedKVCacheManager  # noqa: E402
 from pagedkv.observability import (  # noqa: E402
@@ -120,20 +120,10 @@ EXPECTED_SHAPE = [  # per batch: (event, medium, pages); the device pool has 6 p
 def scripted_run(mgr: PagedKVCacheManager) -> None:
     """Four requests sharing prefixes through a 6-page pool over a host tier, then a reset."""
     model = PrefixStampModel(mgr)
-
-    def run(c: Any, new_tokens: int) -> None:
-        mgr.claim(c.request_id)
-        for t in range(new_tokens):
-            mgr.alloc(c)
-            model.forward([[c]])
-            c.update(100 + t)
-            mgr.step([[c]])
-        mgr.release(c.request_id)
-
-    run(ctx("a", PROMPT), 4)
-    run(ctx("b", PROMPT[:8] + [77, 78, 79, 80, 81]), 2)
-    run(ctx("evictor", range(50, 70)), 2)
-    run(ctx("c", PROMPT + [99]), 2)
+    serve(mgr, model, ctx("a", PROMPT), 4)
+    serve(mgr, model, ctx("b", PROMPT[:8] + [77, 78, 79, 80, 81]), 2)
+    serve(mgr, model, ctx("evictor", range(50, 70)), 2)
+    serve(mgr, model, ctx("c", PROMPT + [99]), 2)
     mgr.reset_prefix_cache()
 
 

@@ -12,27 +12,13 @@ Without `redis-server` / `redis-cli` on PATH the tests skip, unless PAGEDKV_REQU
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-from redis_server import free_port, redis_server_binary
-
-
-def redis_cli_binary() -> str:
-    """Path of redis-cli; skips the test (fails it under PAGEDKV_REQUIRE_REDIS=1) when missing."""
-    path = shutil.which("redis-cli")
-    if path is None:
-        message = "redis-cli is not installed (apt-get install redis-tools)"
-        if os.environ.get("PAGEDKV_REQUIRE_REDIS") == "1":
-            pytest.fail(f"{message}, and PAGEDKV_REQUIRE_REDIS=1")
-        pytest.skip(message)
-    return path
+from redis_server import free_port, redis_server_binary, require_binary
 
 
 class RedisCluster:
@@ -41,7 +27,7 @@ class RedisCluster:
 
     def __init__(self, directory: Path, size: int = 3) -> None:
         self.server = redis_server_binary()
-        self.cli = redis_cli_binary()
+        self.cli = require_binary("redis-cli", "redis-tools")
         self.directory = directory
         self.ports: list[int] = []
         while len(self.ports) < size:

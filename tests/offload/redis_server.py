@@ -24,15 +24,20 @@ from typing import Any
 import pytest
 
 
-def redis_server_binary() -> str:
-    """Path of redis-server; skips the test (fails it under PAGEDKV_REQUIRE_REDIS=1) when missing."""
-    path = shutil.which("redis-server")
+def require_binary(name: str, package: str) -> str:
+    """Path of the program `name`; skips the test (fails it under PAGEDKV_REQUIRE_REDIS=1) when missing."""
+    path = shutil.which(name)
     if path is None:
-        message = "redis-server is not installed (apt-get install redis-server)"
+        message = f"{name} is not installed (apt-get install {package})"
         if os.environ.get("PAGEDKV_REQUIRE_REDIS") == "1":
             pytest.fail(f"{message}, and PAGEDKV_REQUIRE_REDIS=1")
         pytest.skip(message)
     return path
+
+
+def redis_server_binary() -> str:
+    """Path of redis-server (see `require_binary`)."""
+    return require_binary("redis-server", "redis-server")
 
 
 def free_port() -> int:

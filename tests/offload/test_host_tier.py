@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ctx, make_params
+from helpers import ctx, make_params, serve
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.multi_params import MultiKVCacheParams
@@ -89,24 +89,14 @@ def test_host_lru_and_dedup() -> None:
     mgr.close()
 
 
-def run(mgr: PagedKVCacheManager, model: PrefixStampModel, c, new_tokens: int) -> None:
-    mgr.claim(c.request_id)
-    for t in range(new_tokens):
-        mgr.alloc(c)
-        model.forward([[c]])
-        c.update(100 + t)
-        mgr.step([[c]])
-    mgr.release(c.request_id)
-
-
 def test_manager_reloads_evicted_prefix_from_host() -> None:
     """A prefix evicted from the 6-page device pool comes back from host: same KV, no recompute."""
     mgr = PagedKVCacheManager(make_params(**LOCAL, n_kv_heads=2, head_dim=2, num_layers=2), 6,
                               total_num_host_pages=16, max_batch_size=2, enable_runtime_checks=True)  # fmt: skip
     model = PrefixStampModel(mgr)
     prompt = list(range(1, 14))  # 13 tokens: pages 0-2 are full and shareable
-    run(mgr, model, ctx("a", prompt), 4)
-    run(mgr, model, ctx("evictor", range(50, 70)), 2)  # 20 tokens: needs every device page
+    serve(mgr, model, ctx("a", prompt), 4)
+    serve(mgr, model, ctx("evictor", range(50, 70)), 2)  # 20 tokens: needs every device page
     assert mgr.get_metrics_aggregated().evictions >= 3
     b = ctx("b", prompt + [99])
     mgr.claim("b")

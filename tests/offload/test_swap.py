@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from test_host_tier import LAYOUTS, pages, scramble
 
-from helpers import ctx, make_params
+from helpers import ctx, decode, make_params
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.testing import PrefixStampModel
@@ -18,14 +18,6 @@ def manager(device_pages: int = 8, host_pages: int = 8) -> PagedKVCacheManager:
     params = make_params(**LOCAL, n_kv_heads=2, head_dim=2, num_layers=2)
     return PagedKVCacheManager(params, device_pages, total_num_host_pages=host_pages, max_batch_size=4,
                                enable_runtime_checks=True)  # fmt: skip
-
-
-def decode(mgr: PagedKVCacheManager, model: PrefixStampModel, c, steps: int, first: int = 100) -> None:
-    for t in range(steps):
-        mgr.alloc(c)
-        model.forward([[c]])
-        c.update(first + t)
-        mgr.step([[c]])
 
 
 def snapshot(mgr: PagedKVCacheManager) -> tuple:
