@@ -45,6 +45,7 @@ def snapshot(bm: BlockManager, *contexts: TextContext) -> dict[str, Any]:
         "reqs": reqs,
         "metrics": bm.metrics,
         "contexts": ctx_state,
+        "partial": bm._partial.state() if getattr(bm, "_partial", None) is not None else None,
     }
 
 

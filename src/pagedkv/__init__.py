@@ -28,6 +28,7 @@ _EXPORTS = {
     "InsufficientBlocksError": "pagedkv.core.errors",
     "IntegrityError": "pagedkv.core.errors",
     "TextContext": "pagedkv.core.context",
+    "Retention": "pagedkv.core.context",
     "TokenBuffer": "pagedkv.core.context",
     "KVCacheMetrics": "pagedkv.core.metrics",
     "BlockPool": "pagedkv.core.block_pool",
@@ -72,7 +73,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from pagedkv.connector_config import KVConnectorConfig
     from pagedkv.core.block_manager import BlockManager
     from pagedkv.core.block_pool import BlockPool
-    from pagedkv.core.context import TextContext, TokenBuffer
+    from pagedkv.core.context import Retention, TextContext, TokenBuffer
     from pagedkv.core.errors import InsufficientBlocksError, IntegrityError
     from pagedkv.core.hashing import hash_tokens
     from pagedkv.core.memory import (

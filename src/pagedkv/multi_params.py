@@ -34,6 +34,8 @@ _SHARED = (
     ("kv_hash_seed", "kv_hash_seed"),
     ("eviction_policy", "eviction_policy"),
     ("protected_fraction", "protected_fraction"),
+    ("evict_leaves_first", "evict_leaves_first"),
+    ("enable_partial_page_reuse", "enable_partial_page_reuse"),
 )
 
 
@@ -134,6 +136,16 @@ class MultiKVCacheParams:
     def eviction_policy(self) -> str:
         """Eviction policy of the shared pool."""
         return self._first().eviction_policy
+
+    @property
+    def evict_leaves_first(self) -> bool:
+        """Whether the shared pool evicts prefix-chain leaves first."""
+        return self._first().evict_leaves_first
+
+    @property
+    def enable_partial_page_reuse(self) -> bool:
+        """Copy-on-write reuse of a cached last partial page (shared)."""
+        return self._first().enable_partial_page_reuse
 
     @property
     def protected_fraction(self) -> float:

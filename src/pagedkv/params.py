@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.dtype import DeviceRef, DType
-from pagedkv.params_checks import normalize_hash_seed, validate_attention_kind
+from pagedkv.params_checks import normalize_hash_seed, validate_attention_kind, validate_partial_page_reuse
 from pagedkv.symbols import KVCacheInputSymbols, ragged_symbols
 from pagedkv.validation import check_eviction, check_int
 
@@ -103,8 +103,10 @@ class KVCacheParams:
     attention_chunk_size: int | None = None
     sink_tokens: int = 0
     is_cross_attention: bool = False
-    eviction_policy: str = "lru"  # "lru" or "slru" (never-reused cached pages are evicted first)
+    eviction_policy: str = "lru"  # "lru", "slru" (never-reused pages first) or "lfu" (LFU with dynamic aging)
     protected_fraction: float = 0.25  # pool share that may keep running requests' dropped window pages
+    evict_leaves_first: bool = False  # never evict a page while its prefix-chain child stays cached
+    enable_partial_page_reuse: bool = False  # copy a cached last partial page's matching tokens (copy-on-write)
 
     def __post_init__(self) -> None:
         self._validate_scalars()
@@ -114,9 +116,10 @@ class KVCacheParams:
         object.__setattr__(self, "devices", devices)
         self._validate_parallelism(len(devices))
         self._validate_connector()
+        validate_partial_page_reuse(self)
         self._validate_quantization()
         validate_attention_kind(self)
-        check_eviction(self.eviction_policy, self.protected_fraction)
+        check_eviction(self.eviction_policy, self.protected_fraction, self.evict_leaves_first)
         if self.kv_hash_algo not in HASH_ALGOS:
             raise ValueError(f"kv_hash_algo={self.kv_hash_algo!r} must be one of {HASH_ALGOS}")
         object.__setattr__(self, "kv_hash_seed", normalize_hash_seed(self.kv_hash_seed))
@@ -134,7 +137,7 @@ class KVCacheParams:
         check_int("num_eagle_speculative_tokens", self.num_eagle_speculative_tokens, 0)
         if self.num_q_heads is not None:
             check_int("num_q_heads", self.num_q_heads, 1)
-        for name in ("enable_prefix_caching", "is_mla"):
+        for name in ("enable_prefix_caching", "is_mla", "enable_partial_page_reuse"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
 

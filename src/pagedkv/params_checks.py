@@ -6,7 +6,7 @@ from typing import Any
 
 from pagedkv.validation import check_int
 
-__all__ = ["normalize_hash_seed", "validate_attention_kind"]
+__all__ = ["normalize_hash_seed", "validate_attention_kind", "validate_partial_page_reuse"]
 
 
 def normalize_hash_seed(seed: bytes | str | None) -> bytes | None:
@@ -39,3 +39,16 @@ def validate_attention_kind(params: Any) -> None:
         raise ValueError(f"sink_tokens={params.sink_tokens} needs a sliding_window (full attention keeps every token)")
     if params.is_cross_attention and (params.sliding_window or params.attention_chunk_size or params.sink_tokens):
         raise ValueError("is_cross_attention=True takes no sliding_window, attention_chunk_size or sink_tokens")
+
+
+def validate_partial_page_reuse(params: Any) -> None:
+    """`enable_partial_page_reuse` needs prefix caching, and no tier below the device (not supported)."""
+    if not params.enable_partial_page_reuse:
+        return
+    if not params.enable_prefix_caching:
+        raise ValueError("enable_partial_page_reuse=True requires enable_prefix_caching=True")
+    connector = params.kv_connector
+    if connector is not None and connector.value != "null":
+        raise ValueError(
+            f"enable_partial_page_reuse=True does not support kv_connector={connector.value} (tiers below the device)"
+        )

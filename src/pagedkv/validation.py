@@ -6,7 +6,7 @@ from typing import Any
 
 __all__ = ["EVICTION_POLICIES", "check_eviction", "check_int"]
 
-EVICTION_POLICIES = ("lru", "slru")
+EVICTION_POLICIES = ("lru", "slru", "lfu")
 
 
 def check_int(name: str, value: Any, minimum: int) -> None:
@@ -17,8 +17,10 @@ def check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name}={value} must be at least {minimum}")
 
 
-def check_eviction(eviction_policy: Any, protected_fraction: Any) -> None:
-    """Raise ValueError/TypeError unless both eviction settings of a page pool are valid."""
+def check_eviction(eviction_policy: Any, protected_fraction: Any, leaves_first: Any = False) -> None:
+    """Raise ValueError/TypeError unless the eviction settings of a page pool are valid."""
+    if not isinstance(leaves_first, bool):
+        raise TypeError(f"evict_leaves_first={leaves_first!r} must be a bool")
     if eviction_policy not in EVICTION_POLICIES:
         raise ValueError(f"eviction_policy={eviction_policy!r} must be one of {EVICTION_POLICIES}")
     if isinstance(protected_fraction, bool) or not isinstance(protected_fraction, int | float):

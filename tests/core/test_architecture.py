@@ -22,9 +22,12 @@ TORCH_FREE = [
     "pagedkv.core.errors",
     "pagedkv.core.hashing",
     "pagedkv.core.block_pool",
+    "pagedkv.core.pool_queries",
+    "pagedkv.core.evictor",
     "pagedkv.core.context",
     "pagedkv.core.metrics",
     "pagedkv.core.block_manager",
+    "pagedkv.core.partial_pages",
     "pagedkv.core.memory",
     "pagedkv.core.events",
     "pagedkv.core.block_hooks",
@@ -39,6 +42,7 @@ TORCH_FREE = [
 LAYERS = {
     "pagedkv.dtype": 0, "pagedkv.validation": 0, "pagedkv.records": 0, "pagedkv.symbols": 0, "pagedkv.params": 0, "pagedkv.params_checks": 0, "pagedkv.multi_params": 0, "pagedkv.interface": 0, "pagedkv.connector_config": 0,
     "pagedkv.core": 1, "pagedkv.runtime": 2, "pagedkv.manager": 2, "pagedkv.ops": 3, "pagedkv.offload": 2, "pagedkv.observability": 3,
+    "pagedkv.ops.page_copy": 2,  # a buffer op the manager applies (imports nothing from pagedkv)
     "pagedkv.engine": 4, "pagedkv.testing": 5, "pagedkv.bench": 5, "pagedkv.demo": 5, "pagedkv.tier_demo": 5, "pagedkv.manager_demo": 5, "pagedkv.hf": 4, "pagedkv.cli": 6, "pagedkv": 6,
 }  # fmt: skip
 # The seed API puts `allocate_buffers` on the params; it is the one call that reaches up (lazily).

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from helpers import make_params, snapshot
-from pagedkv.core.context import TextContext
+from pagedkv.core.context import Retention, TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.dtype import DeviceRef
 from pagedkv.manager.paged import PagedKVCacheManager
@@ -44,6 +44,8 @@ def layout_params(layout: str, **kwargs: object) -> KVCacheParams | MultiKVCache
 
 
 class ManagerMachine(RuleBasedStateMachine):
+    extra_params: dict[str, object] = {}  # more `KVCacheParams` fields (subclasses: test_stateful_partial.py)
+
     @initialize(
         page_size=st.sampled_from([1, 2, 3, 4, 8]),
         num_pages=st.integers(6, 40),
@@ -51,17 +53,18 @@ class ManagerMachine(RuleBasedStateMachine):
         spec=st.sampled_from([0, 0, 2]),
         algo=st.sampled_from(["sha256", "sha256_64", "xxh3_128"]),
         layout=st.sampled_from(["mha", "mha-tp2", "mla-tp2", "swa", "hybrid", "hybrid-tp2"]),
-        policy=st.sampled_from(["lru", "slru"]),
+        policy=st.sampled_from(["lru", "slru", "lfu"]),
         protect=st.sampled_from([0.0, 0.25, 1.0]),
+        leaves=st.booleans(),
     )
     def setup(
         self, page_size: int, num_pages: int, caching: bool, spec: int, algo: str, layout: str, policy: str,
-        protect: float,
+        protect: float, leaves: bool,
     ) -> None:  # fmt: skip
         self.mgr = PagedKVCacheManager(
             layout_params(layout, page_size=page_size, enable_prefix_caching=caching,
                           num_eagle_speculative_tokens=spec, kv_hash_algo=algo, eviction_policy=policy,
-                          protected_fraction=protect),
+                          protected_fraction=protect, evict_leaves_first=leaves, **self.extra_params),
             num_pages, enable_runtime_checks=True, max_batch_size=64,
         )  # fmt: skip
         self.model = PrefixStampModel(self.mgr)
@@ -70,16 +73,21 @@ class ManagerMachine(RuleBasedStateMachine):
         self.allocated: set[int] = set()  # requests alloc'ed since their last update: they may run
         self.next_id = 0
         self.ops = 0
+        self.now = 0.0
+        self.hybrid = layout.startswith(("swa", "hybrid"))
+        self.bm.pool._keyed().clock = lambda: self.now  # retention expiry on a clock the test moves
 
     def _ready(self) -> list[TextContext]:
         """Requests that hold pages for their active window (they may run a forward pass)."""
         return [self.live[rid] for rid in sorted(self.allocated)]
 
     @rule(prefix=st.sampled_from(range(len(PREFIXES) + 1)), suffix=st.lists(st.integers(0, 5), max_size=12),
-          salt=st.sampled_from([None, None, "t1"]))  # fmt: skip
-    def new_request(self, prefix: int, suffix: list[int], salt: str | None) -> None:
+          salt=st.sampled_from([None, None, "t1"]),
+          retention=st.sampled_from([None, None, (80, None), (10, 2.0), (100, 1.0)]))  # fmt: skip
+    def new_request(self, prefix: int, suffix: list[int], salt: str | None, retention: tuple | None) -> None:
         tokens = (PREFIXES[prefix] if prefix < len(PREFIXES) else []) + suffix or [1]
         c = TextContext(self.next_id, np.array(tokens), cache_salt=salt)
+        c.retention = Retention(*retention) if retention else None
         self.mgr.claim(c.request_id)
         self.live[self.next_id] = c
         self.next_id += 1
@@ -142,6 +150,17 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr.release(rid)
         self.allocated.discard(rid)
         del self.live[rid]
+
+    @rule(prefix=st.sampled_from(range(len(PREFIXES))), priority=st.sampled_from([0, 35, 100]),
+          duration=st.sampled_from([None, 1.0]))  # fmt: skip
+    def pin_prefix(self, prefix: int, priority: int, duration: float | None) -> None:
+        if not self.hybrid and self.bm.enable_prefix_caching:
+            found = self.mgr.pin_prefix(PREFIXES[prefix], priority, duration)
+            assert 0 <= found <= len(PREFIXES[prefix]) // self.mgr.page_size
+
+    @rule(seconds=st.sampled_from([0.5, 3.0]))
+    def clock_moves(self, seconds: float) -> None:
+        self.now += seconds
 
     @rule()
     def reset_prefix_cache(self) -> None:

@@ -15,6 +15,8 @@ The request lifecycle, per replica::
   page and its own copy is freed.
 - `release` frees the pages tail first, so LRU evicts a prefix's tail before
   its head.
+- With ``partial_page_reuse`` a hit also copies the matching tokens of a
+  cached last partial page (copy-on-write, see `partial_pages`).
 
 Page tables only grow, except at that merge, where an entry is swapped for a
 page holding the same prefix. Prefix lookups happen only while a request
@@ -25,14 +27,16 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 from pagedkv.core.block_hooks import BlockHooks
 from pagedkv.core.block_pool import BlockPool
-from pagedkv.core.context import RequestID, TextContext
+from pagedkv.core.context import RequestID, Retention, TextContext, as_token_array
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.errors import require as _require
 from pagedkv.core.hashing import BlockHash, PrefixHasher
 from pagedkv.core.metrics import KVCacheMetrics
+from pagedkv.core.partial_pages import PageCopy, Partial, make_partial_pages
 from pagedkv.core.tables import BatchTables, RequestPages, build_tables
 
 __all__ = ["BlockManager"]
@@ -53,8 +57,11 @@ class BlockManager:
         num_groups: int = 1,
         eviction_policy: str = "lru",
         protected_fraction: float = 0.25,
+        evict_leaves_first: bool = False,
+        partial_page_reuse: bool = False,
     ) -> None:
-        self.pool = BlockPool(num_blocks, enable_prefix_caching, num_groups, eviction_policy, protected_fraction)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, num_groups, eviction_policy, protected_fraction,
+                              evict_leaves_first)  # fmt: skip
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_speculative_tokens = num_speculative_tokens
@@ -64,6 +71,7 @@ class BlockManager:
         self._cache_tokens = 0
         self._evictions_at_reset = 0
         self.hooks = BlockHooks()
+        self._partial = make_partial_pages(partial_page_reuse, self.pool, page_size, self.hasher.root)
 
     # ------------------------------------------------------------------ lifecycle
     def claim(self, request_id: RequestID, *, dummy: bool = False) -> None:
@@ -84,6 +92,13 @@ class BlockManager:
         del self._reqs[request_id]
         if st.num_pages:
             self.pool.free(st.pages[st.num_pages - 1 :: -1].tolist())
+        if self._partial is not None:
+            self._partial.drop(request_id)  # a page copy never taken: its source is free again
+
+    def take_page_copies(self) -> list[PageCopy]:
+        """Pending partial-page copies, oldest first; their sources are released (`partial_pages`:
+        apply each before the next `alloc` or forward pass)."""
+        return self._partial.take() if self._partial is not None else []
 
     def alloc(self, ctx: TextContext, num_scheduled_tokens: int | None = None) -> None:
         """Give `ctx` pages for all its tokens (+ draft slots), reusing cached prefix pages first.
@@ -109,7 +124,7 @@ class BlockManager:
             self._input_tokens += 1
             return
         st = self._claimed(ctx.request_id)
-        hits, need, new_keys, digest = self._plan(st, ctx)
+        hits, need, new_keys, digest, partial = self._plan(st, ctx)
         if need > 0:
             available = self.pool.num_free - self.pool.count_unreferenced(hits)
             if need > available:
@@ -128,15 +143,21 @@ class BlockManager:
         tier_lookup = self.enable_prefix_caching and tokens.active_length > 1 and st.num_pages == st.committed
         if hits:
             self.pool.touch(hits)
+            if ctx.retention is not None:
+                self.pool.retain(hits, ctx.retention.priority, ctx.retention.duration_s)
             st.append(hits)
             st.committed += len(hits)
             skip = st.committed * self.page_size - processed
             tokens.skip_processing(skip)
             self._cache_tokens += skip
+        if partial is not None:  # before `allocate`, which could otherwise evict a free source
+            self.pool.touch((partial[0],))
         if need > 0:
             st.append(self.pool.allocate(need))
-            if tier_lookup and self.hooks.loader is not None and len(st.hashes) > st.committed:
-                self._from_tiers(st, ctx)
+            if tier_lookup and self.hooks.loader is not None and len(st.hashes) > st.committed and partial is None:
+                self._from_tiers(st, ctx)  # (partial reuse and tiers: refused by KVCacheParams)
+        if partial is not None and self._partial is not None:
+            self._cache_tokens += self._partial.record(st, ctx, *partial)
         if processed == 0:
             ctx.cached_prefix_length = tokens.processed_length
         self._input_tokens += tokens.active_length
@@ -147,7 +168,7 @@ class BlockManager:
         pages = st.pages[first : first + len(keys)].tolist()
         n = self.hooks.loader(pages, keys) if keys and self.hooks.loader else 0
         for i in range(n):
-            used = self.pool.commit(pages[i], keys[i])
+            used = self.pool.commit(pages[i], keys[i], 0, int(st.pages[first + i - 1]) if first + i else -1)
             if used != pages[i]:  # a copy of this prefix page is cached already: share it
                 st.pages[first + i] = used
         if n:
@@ -183,10 +204,14 @@ class BlockManager:
         commit, pages, hashes, first = self.pool.commit, st.pages, st.hashes, st.committed
         for i in range(first, n_commit):
             page = int(pages[i])
-            used = commit(page, hashes[i])
+            used = commit(page, hashes[i], 0, int(pages[i - 1]) if i else -1)
             if used != page:
                 pages[i] = used
         st.committed = max(first, n_commit)
+        if self._partial is not None:
+            self._partial.committed(st, ctx, first, n_commit)
+        if ctx.retention is not None:
+            self.pool.retain(pages[first:n_commit].tolist(), ctx.retention.priority, ctx.retention.duration_s)
         if n_commit > first and (self.hooks.offloads is not None or self.hooks.emit is not None):
             self.hooks.committed(hashes, first, n_commit, ctx.tokens.all, self.page_size)
 
@@ -199,8 +224,9 @@ class BlockManager:
             raise ValueError(f"request {request_id!r} is a dummy (alloc_dummy); it cannot alloc or step")
         return st
 
-    def _plan(self, st: RequestPages, ctx: TextContext) -> tuple[list[int], int, list[BlockHash], bytes]:
-        """(prefix-hit pages, new pages needed, keys to memoise, their digest). Validates; mutates nothing."""
+    def _plan(self, st: RequestPages, ctx: TextContext) -> tuple[list[int], int, list[BlockHash], bytes, Partial]:
+        """(prefix-hit pages, new pages needed, keys to memoise, their digest, partial hit: (source
+        page, tokens) or None). Validates; mutates nothing."""
         tokens = ctx.tokens
         ps = self.page_size
         if tokens.processed_length > st.num_pages * ps:
@@ -219,13 +245,17 @@ class BlockManager:
             )
         hits: list[int] = []
         new_keys: list[BlockHash] = []
-        digest = st.digest
-        if self.enable_prefix_caching and tokens.active_length > 1 and st.num_pages == st.committed:
+        digest, partial = st.digest, None
+        lookup = self.enable_prefix_caching and tokens.active_length > 1 and st.num_pages == st.committed
+        if lookup:
             stop = (min(len(tokens), tokens.current_position) - 1) // ps
             if stop > st.committed:
                 new_keys, digest = self._more_hashes(st, ctx, stop)
                 hits = self.pool.lookup([*st.hashes, *new_keys], st.committed, stop)
-        return hits, -(-need_tokens // ps) - st.num_pages - len(hits), new_keys, digest
+        need = -(-need_tokens // ps) - st.num_pages - len(hits)
+        if lookup and self._partial is not None:
+            partial = self._partial.find(ctx, [*st.hashes, *new_keys], st.committed, hits, need)
+        return hits, need, new_keys, digest, partial
 
     def _more_hashes(self, st: RequestPages, ctx: TextContext, n_pages: int) -> tuple[list[BlockHash], bytes]:
         """Keys of pages [len(st.hashes), n_pages) and the digest after them (not stored)."""
@@ -237,8 +267,18 @@ class BlockManager:
 
     def pages_needed(self, ctx: TextContext) -> tuple[int, int]:
         """(new pages, evictable hit pages) that `alloc(ctx)` would take from the free count."""
-        hits, need, _, _ = self._plan(self._claimed(ctx.request_id), ctx)
-        return max(need, 0), self.pool.count_unreferenced(hits)
+        hits, need, _, _, partial = self._plan(self._claimed(ctx.request_id), ctx)
+        return max(need, 0), self.pool.count_unreferenced([*hits, *(partial[:1] if partial else ())])
+
+    def pin_prefix(self, tokens: Any, retention: Retention, cache_salt: str | None = None) -> int:
+        """Give the cached pages of the page-aligned prefix of `tokens` (as `cache_salt`'s chain) the
+        priority of `retention` (SGLang's pinned prefixes; priority 35 unpins). Returns pages found."""
+        array = as_token_array(tokens)
+        n = len(array) // self.page_size
+        keys, _ = self.hasher.extend(array, 0, n, self.hasher.root(cache_salt)) if n else ([], b"")
+        pages = self.pool.lookup(keys, 0, n)
+        self.pool.set_priority(pages, retention.priority, retention.duration_s)
+        return len(pages)
 
     # ------------------------------------------------------------------ queries
     def get_req_blocks(self, request_id: RequestID) -> list[int]:
@@ -303,4 +343,6 @@ class BlockManager:
                 else:
                     _require(pool.block_hash(page) is None, f"request {rid!r} uncommitted page {page} has a hash")
                     _require(pool.ref_count(page) == 1, f"request {rid!r} private page {page} is shared")
+        if self._partial is not None:
+            self._partial.check(self._reqs, holders)  # + the pending copies' source references
         pool.check_integrity(holders)

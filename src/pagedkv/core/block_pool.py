@@ -42,26 +42,30 @@ its own prefix cache (the same prefix hash maps to a different page in each).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
 from pagedkv.core.errors import InsufficientBlocksError
+from pagedkv.core.evictor import MAX_PRIORITY, HeapOrder
 from pagedkv.core.free_lists import LRU, NONE, PROBATION, PROTECTED, FreeLists
 from pagedkv.core.hashing import BlockHash
 from pagedkv.core.pool_checks import check_pool
+from pagedkv.core.pool_queries import PoolQueries
 from pagedkv.validation import check_eviction, check_int
 
 __all__ = ["BlockPool"]
 
 
-class BlockPool:
+class BlockPool(PoolQueries):
     """Page ids, ref counts, pins and the hash -> page prefix caches of one replica.
 
-    `eviction_policy`: "lru", or "slru" (segmented LRU: cached pages never reused since they were
-    cached are evicted before pages that served a hit, each segment in LRU order).
+    `eviction_policy`: "lru"; "slru" (segmented LRU: cached pages never reused since they were
+    cached are evicted before pages that served a hit, each segment in LRU order); or "lfu" (LFU with
+    dynamic aging, see `evictor`). `leaves_first`: never evict a page while its chain child is cached.
     `protected_fraction`: at most this share of the pages sits in the protected list; a pinned page
-    freed while it is full goes to the LRU like any other.
+    freed while it is full goes to the LRU like any other. Plain "lru"/"slru" evict from list heads;
+    "lfu", `leaves_first` and retention priorities (`set_priority`) use a keyed `HeapOrder`.
     """
 
     def __init__(
@@ -71,10 +75,11 @@ class BlockPool:
         num_groups: int = 1,
         eviction_policy: str = "lru",
         protected_fraction: float = 0.25,
+        leaves_first: bool = False,
     ) -> None:
         check_int("num_blocks", num_blocks, 1)
         check_int("num_groups", num_groups, 1)
-        check_eviction(eviction_policy, protected_fraction)
+        check_eviction(eviction_policy, protected_fraction, leaves_first)
         self.eviction_policy = eviction_policy
         self._slru = eviction_policy == "slru"
         n = num_blocks
@@ -97,95 +102,23 @@ class BlockPool:
         self.max_protected = int(n * protected_fraction)  # cap on the protected list
         self.num_evictions = 0
         self.on_removed: Callable[[BlockHash, int], None] | None = None  # (hash, group) of each page forgotten
-
-    # ------------------------------------------------------------------ queries
-    @property
-    def num_free(self) -> int:
-        """Pages an allocation can take: fresh plus cached free (protected ones included)."""
-        count = self._lists.count
-        return len(self._fresh) + count[LRU] + count[PROTECTED] + count[PROBATION]
-
-    @property
-    def num_protected(self) -> int:
-        """Free pinned pages (evicted last)."""
-        return self._lists.count[PROTECTED]
-
-    def is_protected(self, page: int) -> bool:
-        """True when `page` is free and pinned."""
-        return self._lists.where[page] == PROTECTED
-
-    def is_reused(self, page: int) -> bool:
-        """True when cached `page` served a hit or a merge since it was cached."""
-        return bool(self._reused[page])
-
-    def pin_count(self, page: int) -> int:
-        """Pins on `page` (0 when none)."""
-        return self._pins[page]
-
-    def stamp(self, page: int) -> int:
-        """The caching of `page` a pin taken now refers to (changes when it is evicted and re-cached)."""
-        return self._stamp[page]
-
-    @property
-    def num_used(self) -> int:
-        """Pages with ref > 0."""
-        return self.num_blocks - self.num_free
-
-    @property
-    def num_groups(self) -> int:
-        """KV cache groups sharing the pool."""
-        return len(self._caches)
-
-    @property
-    def num_cached(self) -> int:
-        """Pages that hold a hash (in use or evictable), over every group."""
-        return sum(len(c) for c in self._caches)
-
-    def ref_count(self, page: int) -> int:
-        """References to `page` (0 when free)."""
-        return self._ref[page]
-
-    def block_hash(self, page: int) -> BlockHash | None:
-        """The hash `page` is cached under, or None."""
-        return self._hash[page]
-
-    def cached_page(self, block_hash: BlockHash, group: int = 0) -> int | None:
-        """The page caching `block_hash` in `group`, or None."""
-        return self._caches[group].get(block_hash)
-
-    def lookup(self, hashes: list[BlockHash], start: int, stop: int, group: int = 0) -> list[int]:
-        """Cached pages for ``hashes[start:stop]`` in `group`, stopping at the first miss. No side effects."""
-        get = self._caches[group].get
-        hits: list[int] = []
-        for i in range(start, stop):
-            page = get(hashes[i])
-            if page is None:
-                break
-            hits.append(page)
-        return hits
-
-    def count_unreferenced(self, pages: Iterable[int]) -> int:
-        """How many of `pages` have ref 0 (touching them takes them out of the free count)."""
-        ref = self._ref
-        return sum(1 for p in pages if ref[p] == 0)
-
-    def free_order(self) -> list[int]:
-        """The free pages in the order allocations will take them."""
-        return [*reversed(self._fresh), *self.list_pages(PROBATION), *self.list_pages(LRU), *self.list_pages(PROTECTED)]
-
-    def list_pages(self, which: int) -> Iterator[int]:
-        """The pages of free list `which` (1: LRU, 2: protected, 3: SLRU probation), head first."""
-        return self._lists.pages(which)
+        self.on_uncached: list[Callable[[int], None]] = []  # called with each page that loses its hash
+        self.leaves_first = leaves_first
+        self._order: HeapOrder | None = None
+        if eviction_policy == "lfu" or leaves_first:
+            self._keyed()
 
     # ------------------------------------------------------------------ mutations
     def touch(self, pages: Iterable[int]) -> None:
         """Add a reference to each of `pages` (a prefix hit or merge: cached pages leave their free list)."""
-        ref, reused, lists = self._ref, self._reused, self._lists
+        ref, reused, lists, order = self._ref, self._reused, self._lists, self._order
         for page in pages:
             if ref[page] == 0:
                 lists.unlink(page)
             ref[page] += 1
             reused[page] = 1
+            if order is not None:
+                order.hit(page)
 
     def allocate(self, n: int) -> list[int]:
         """Take `n` pages with ref 1: fresh ones first, then evict (probation, then LRU).
@@ -225,8 +158,9 @@ class BlockPool:
     def _evict(self, n: int) -> list[int]:
         lists, count = self._lists, self._lists.count
         pages = []
+        order = self._order
         for _ in range(n):
-            page = lists.head(PROBATION if count[PROBATION] else LRU)
+            page = order.victim() if order is not None else lists.head(PROBATION if count[PROBATION] else LRU)
             lists.unlink(page)
             self._uncache(page)
             pages.append(page)
@@ -234,6 +168,10 @@ class BlockPool:
         return pages
 
     def _uncache(self, page: int) -> None:
+        for hook in self.on_uncached:
+            hook(page)
+        if self._order is not None:
+            self._order.forget(page)
         if self.on_removed is not None:
             self.on_removed(self._hash[page], self._group[page])  # type: ignore[arg-type]
         del self._caches[self._group[page]][self._hash[page]]  # type: ignore[arg-type]
@@ -249,7 +187,9 @@ class BlockPool:
         else probation (SLRU, until first reused) or LRU; others to the fresh
         stack. The null page is ignored.
         """
-        ref, hashes, fresh, null = self._ref, self._hash, self._fresh, self.null_block
+        ref, hashes, fresh, null, order = self._ref, self._hash, self._fresh, self.null_block, self._order
+        pins, append = self._pins, self._lists.append
+        plain = LRU if not self._slru else 0  # the list of an unpinned page, when it does not depend on reuse
         for page in pages:
             if page == null:
                 continue
@@ -259,8 +199,11 @@ class BlockPool:
                 continue
             if hashes[page] is None:
                 fresh.append(page)
-            else:
-                self._lists.append(page, self._list_for(page))
+                continue
+            which = plain if plain and not pins[page] else self._list_for(page)
+            append(page, which)
+            if order is not None and which != PROTECTED:
+                order.listed(page)
 
     def pin(self, pages: Iterable[int], reused: bool = False) -> list[tuple[int, int]]:
         """Pin cached `pages`; returns the (page, stamp) pairs to unpin with. Free ones become
@@ -287,26 +230,34 @@ class BlockPool:
                 continue
             pins[page] -= 1
             if not pins[page] and lists.where[page] == PROTECTED:
-                lists.move(page, self._list_for(page))
+                self._relist(page)
 
     def release(self, pages: Iterable[int], held: Iterable[bool]) -> None:
         """In one pass over `pages`: drop a reference from each held page (as `free`), and move each
         page that is not held but sits free and cached to the tail of its list (a recency refresh)."""
-        where, lists = self._lists.where, self._lists
+        where = self._lists.where
         for page, is_held in zip(pages, held, strict=True):
             if is_held:
                 self.free((page,))
             elif where[page] != NONE:
-                lists.move(page, self._list_for(page))
+                self._relist(page)
+
+    def _relist(self, page: int) -> None:
+        """Move free cached `page` to the tail of the list it belongs in now."""
+        which = self._list_for(page)
+        self._lists.move(page, which)
+        if self._order is not None and which != PROTECTED:
+            self._order.listed(page)
 
     def _list_for(self, page: int) -> int:
         if self._pins[page] and self._lists.count[PROTECTED] < self.max_protected:
             return PROTECTED
         return PROBATION if self._slru and not self._reused[page] else LRU
 
-    def commit(self, page: int, block_hash: BlockHash, group: int = 0) -> int:
+    def commit(self, page: int, block_hash: BlockHash, group: int = 0, parent: int = -1) -> int:
         """Cache the full, written `page` under `block_hash` in `group`; returns the page to use.
 
+        `parent` is the page holding the previous page of the chain (-1 for a chain's first page).
         If another page already holds `block_hash` there, that page gains the
         caller's reference and `page` is freed (the caller must swap it in).
         """
@@ -318,11 +269,49 @@ class BlockPool:
             self._group[page] = group
             self._stamp[page] = self._next_stamp
             self._next_stamp += 1
+            if self._order is not None:
+                linked = parent >= 0 and self._hash[parent] is not None
+                self._order.cached(page, parent if linked else -1, self._stamp[parent] if linked else 0)
             return page
         if existing != page:
             self.touch((existing,))
             self.free((page,))
         return existing
+
+    def set_priority(self, pages: Iterable[int], priority: int, duration_s: float | None = None) -> None:
+        """Set the retention priority of cached `pages` (0..100, default 35; lower is evicted first) for
+        `duration_s` seconds of the pool clock (`_order.clock`; None: for as long as they stay cached)."""
+        check_int("priority", priority, 0)
+        if priority > MAX_PRIORITY:
+            raise ValueError(f"priority={priority} must be at most {MAX_PRIORITY}")
+        pages = list(pages)
+        for page in pages:
+            if self._hash[page] is None:
+                raise ValueError(f"page {page} is not cached: only cached pages take a retention priority")
+        order = self._keyed()
+        expires = None if duration_s is None else order.clock() + duration_s
+        for page in pages:
+            order.set_priority(page, priority, expires)
+
+    def retain(self, pages: Iterable[int], priority: int, duration_s: float | None) -> None:
+        """Raise the retention priority of cached `pages` to `priority` for `duration_s` seconds from
+        now (None: while cached); pages already at a higher priority keep theirs."""
+        order = self._keyed()
+        expires = None if duration_s is None else order.clock() + duration_s
+        current = order.priority
+        for page in pages:
+            if self._hash[page] is not None and current[page] <= priority:
+                order.set_priority(page, priority, expires)
+
+    def _keyed(self) -> HeapOrder:
+        """The keyed eviction order, built on first use from the lists' current order."""
+        if self._order is None:
+            order = HeapOrder(self.num_blocks, self._lists, self._reused, self._stamp, self.eviction_policy,
+                              self.leaves_first)  # fmt: skip
+            for page in [*self.list_pages(PROBATION), *self.list_pages(LRU)]:
+                order.listed(page)
+            self._order = order
+        return self._order
 
     def reset_prefix_cache(self) -> int:
         """Forget every evictable unpinned cached page (they become fresh); returns how many.

@@ -12,11 +12,12 @@ A token buffer splits a request's tokens into three regions::
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["TokenBuffer", "TextContext", "RequestID"]
+__all__ = ["TokenBuffer", "TextContext", "RequestID", "Retention"]
 
 RequestID = Hashable
 """Any hashable request id (MAX uses strings)."""
@@ -24,7 +25,8 @@ RequestID = Hashable
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
-def _as_token_array(tokens: Any) -> np.ndarray:
+def as_token_array(tokens: Any) -> np.ndarray:
+    """`tokens` as a fresh int32 array; ValueError unless 1-D, non-empty and inside int32, TypeError unless integers."""
     array = np.asarray(tokens)
     if array.ndim != 1 or array.size == 0:
         raise ValueError(f"tokens must be a non-empty 1-D sequence, got shape {array.shape}")
@@ -43,7 +45,7 @@ class TokenBuffer:
     __slots__ = ("_array", "_len", "_processed", "_end", "_prompt_length")
 
     def __init__(self, tokens: Sequence[int] | np.ndarray) -> None:
-        array = _as_token_array(tokens)
+        array = as_token_array(tokens)
         n = len(array)
         self._array = np.empty(max(16, 2 * n), dtype=np.int32)
         self._array[:n] = array
@@ -121,6 +123,10 @@ class TokenBuffer:
             raise ValueError(f"chunk(n={n}) needs 1 <= n < active_length={self.active_length}")
         self._end = self._processed + n
 
+    def unchunk(self) -> None:
+        """Widen the active window back to every unprocessed token (undoes `chunk`)."""
+        self._end = self._len
+
     def advance_chunk(self) -> None:
         """Mark the current chunk processed; the rest of the tokens become active."""
         self._processed = self._end
@@ -128,9 +134,9 @@ class TokenBuffer:
 
     def advance_with_token(self, token: int) -> None:
         """Mark the window processed and append `token` as the new active token."""
-        if self.is_chunked:
+        if self._end < self._len:
             raise ValueError("advance_with_token while chunked: call advance_chunk() first")
-        if not isinstance(token, int | np.integer) or isinstance(token, bool):
+        if type(token) is not int and (not isinstance(token, int | np.integer) or isinstance(token, bool)):
             raise TypeError(f"token={token!r} must be an int")
         if not _INT32_MIN <= token <= _INT32_MAX:
             raise ValueError(f"token {token} is outside int32 [{_INT32_MIN}, {_INT32_MAX}]")
@@ -150,6 +156,26 @@ class TokenBuffer:
         self._prompt_length = self._len
 
 
+@dataclass(frozen=True)
+class Retention:
+    """How long the pages a request caches should stay (TensorRT-LLM's retention priorities).
+
+    `priority` 0..100 (default pages have 35; lower is evicted first, 100 is evicted only when
+    nothing else is free). `duration_s`: seconds after the page is cached (or reused) until it drops
+    back to 35; None keeps it for as long as the page stays cached.
+    """
+
+    priority: int
+    duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool) or not 0 <= self.priority <= 100:
+            raise ValueError(f"priority={self.priority!r} must be an int in [0, 100]")
+        d = self.duration_s
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int | float) or not d > 0 or d == float("inf")):
+            raise ValueError(f"duration_s={d!r} must be a finite number of seconds > 0, or None")
+
+
 class TextContext:
     """One request: id, tokens, stopping length and tenant salt.
 
@@ -163,6 +189,7 @@ class TextContext:
 
     __slots__ = (
         "request_id", "tokens", "max_length", "cache_salt", "cached_prefix_length", "cache_seq_id", "encoder_length",
+        "retention",
     )  # fmt: skip
 
     def __init__(
@@ -187,6 +214,7 @@ class TextContext:
         if not isinstance(encoder_length, int) or isinstance(encoder_length, bool) or encoder_length < 0:
             raise ValueError(f"encoder_length={encoder_length!r} must be an int >= 0")
         self.encoder_length = encoder_length
+        self.retention: Retention | None = None  # eviction priority of the pages this request caches
 
     def __repr__(self) -> str:
         return f"TextContext({self.request_id!r}, {self.tokens!r})"
@@ -201,12 +229,13 @@ class TextContext:
 
         On a chunked context the token is ignored (it was sampled mid-prompt).
         """
-        if self.tokens.is_chunked:
-            self.tokens.advance_chunk()
+        tokens = self.tokens  # (fields, not properties: this runs once per request per step)
+        if tokens._end < tokens._len:
+            tokens.advance_chunk()
             return
-        if self.is_done:
+        if self.max_length is not None and tokens._len >= self.max_length:
             raise ValueError(f"request {self.request_id!r} reached max_length={self.max_length}")
-        self.tokens.advance_with_token(token)
+        tokens.advance_with_token(token)
 
     def reset(self) -> None:
         """Restart as a new prompt (after preemption): nothing is processed any more."""

@@ -55,11 +55,13 @@ class KVCacheCoordinator(PageSource, BlockManager):
         num_speculative_tokens: int = 0,
         eviction_policy: str = "lru",
         protected_fraction: float = 0.25,
+        evict_leaves_first: bool = False,
     ) -> None:
         super().__init__(
             num_blocks, page_size, enable_prefix_caching=enable_prefix_caching, hash_algo=hash_algo,
             hash_seed=hash_seed, num_speculative_tokens=num_speculative_tokens, num_groups=len(groups),
             eviction_policy=eviction_policy, protected_fraction=protected_fraction,
+            evict_leaves_first=evict_leaves_first,
         )  # fmt: skip
         self.groups = list(groups)
         self._decoder = [g for g in self.groups if g.kind != "cross"]

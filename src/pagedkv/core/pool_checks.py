@@ -6,6 +6,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from pagedkv.core.errors import require as _require
+from pagedkv.core.evictor import check_order
 from pagedkv.core.free_lists import NONE, PROTECTED
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -66,3 +67,6 @@ def check_pool(pool: BlockPool, holders: Mapping[int, int], pins: Mapping[int, i
     n_hashed = sum(h is not None for h in hashes)
     _require(n_hashed == pool.num_cached, f"{n_hashed} hashed pages but {pool.num_cached} cache entries")
     _require(pool.enable_prefix_caching or not pool.num_cached, "prefix cache used while disabled")
+    if pool._order is not None:
+        errors = check_order(pool._order, hashes)
+        _require(not errors, "; ".join(errors))

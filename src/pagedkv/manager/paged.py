@@ -22,7 +22,7 @@ import torch
 
 from pagedkv.core import memory
 from pagedkv.core.block_manager import BlockManager
-from pagedkv.core.context import RequestID, TextContext
+from pagedkv.core.context import RequestID, Retention, TextContext
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.tables import BatchTables
@@ -30,6 +30,7 @@ from pagedkv.dtype import DeviceRef
 from pagedkv.interface.bridge import params_from_kv_cache_config
 from pagedkv.interface.config import KVCacheConfig
 from pagedkv.manager import hybrid
+from pagedkv.manager.page_copies import apply_page_copies
 from pagedkv.manager.swap import SwapAccess
 from pagedkv.manager.tiering import TierAccess, Tiering
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
@@ -190,6 +191,15 @@ class PagedKVCacheManager(TierAccess, SwapAccess):
             for request_id, r in reversed(taken):
                 self.release(request_id, r)
 
+    def pin_prefix(self, tokens: Sequence[int], priority: int = 100, duration_s: float | None = None, *,
+                   cache_salt: str | None = None, replica_idx: int = 0) -> int:  # fmt: skip
+        """Give the cached pages of the page-aligned prefix of `tokens` retention `priority` (0..100; 35 is
+        the default, so 35 unpins) for `duration_s` seconds (None: while cached). Returns pages found."""
+        bm = self._bm(replica_idx)
+        if isinstance(bm, KVCacheCoordinator):
+            raise ValueError("pin_prefix needs a single-group model; this manager has several KV cache groups")
+        return bm.pin_prefix(tokens, Retention(priority, duration_s), cache_salt)
+
     def reset_prefix_cache(self) -> None:
         """Forget every evictable cached page on every replica (pages in use keep theirs), and every
         page of the tiers below (host, disk, and this layout's pages in Redis)."""
@@ -210,7 +220,8 @@ class PagedKVCacheManager(TierAccess, SwapAccess):
         """Tensors for one forward pass: a `KVCacheInputs` whose `.inputs` has one
         `RaggedKVCacheInputs` per device, replica-major (a `MultiKVCacheInputs`
         tree for `MultiKVCacheParams`, whose leaves share each device's lookup
-        table and cache lengths). No bookkeeping changes.
+        table and cache lengths). No bookkeeping changes, except that with
+        ``enable_partial_page_reuse`` the pending page copies are taken and applied.
 
         Raises ValueError when a request has no pages for its tokens (call
         `alloc`), a batch exceeds `max_batch_size`, or `max_cache_length` is too small.
@@ -227,6 +238,8 @@ class PagedKVCacheManager(TierAccess, SwapAccess):
         per_device: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for r, (bm, batch) in enumerate(zip(self._managers, batches, strict=True)):
             per_device.extend(self._device_tables(r, bm.build_tables(list(batch), max_cache_length)))
+        if self.params.enable_partial_page_reuse:  # copy-on-write of partial-page hits, before the forward
+            apply_page_copies(self._managers, self._buffers)
         return self._assemble(self.params, self._buffers, per_device)
 
     def _device_tables(

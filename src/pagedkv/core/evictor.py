@@ -1,0 +1,200 @@
+"""`HeapOrder`: the eviction order of a pool's free cached pages when plain list order is not enough.
+
+`BlockPool` keeps free cached pages in linked lists (LRU, SLRU probation)
+and, with the default settings, evicts from their heads. A `HeapOrder` is
+used instead when eviction needs a key: retention priorities, evict leaves
+first, LFU with aging, or an external key (the offline-optimal bound). It is
+a lazy min-heap of ``(priority, *policy key, version, page)``:
+
+- every time a page enters or moves within the LRU/probation lists the pool
+  calls `listed(page)`, which pushes a fresh entry; older entries of that page
+  go stale (their version is behind) and are skipped when popped;
+- `victim()` pops until it finds a page that is still free and cached in an
+  evictable list and (leaves first) has no cached child.
+
+Policy keys (smaller is evicted first), each after the priority:
+
+    lru   (tick,)                    least recently freed or refreshed first
+    slru  (reused, tick)             never-reused pages first, then LRU
+    lfu   (aging + hits, tick)       LFU with dynamic aging (LFU-DA): `aging` is
+                                     raised to the evicted page's count, so old
+                                     popular pages eventually yield to new ones
+
+Retention priorities follow TensorRT-LLM: 0..100, default 35, lower evicted
+first, each with an optional expiry after which the page drops back to the
+default. Leaves first: a page whose chain child is cached is never evicted
+while that child stays (so a chain is never cut in the middle), except when
+only such pages are left (an allocation never fails for ordering reasons).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+from pagedkv.core.free_lists import LRU, PROBATION, FreeLists
+
+__all__ = ["HeapOrder", "check_order", "DEFAULT_PRIORITY", "MAX_PRIORITY", "KEYED_POLICIES"]
+
+DEFAULT_PRIORITY = 35
+MAX_PRIORITY = 100
+KEYED_POLICIES = ("lru", "slru", "lfu")
+
+
+class HeapOrder:
+    """Keyed eviction order over pages ``[0, n)`` of one pool (see module docstring)."""
+
+    def __init__(self, n: int, lists: FreeLists, reused: bytearray, stamps: array, policy: str,
+                 leaves_first: bool, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        if policy not in KEYED_POLICIES:
+            raise ValueError(f"eviction_policy={policy!r} must be one of {KEYED_POLICIES}")
+        self.policy = policy
+        self.leaves_first = leaves_first
+        self.clock = clock
+        self.lists = lists
+        self.reused = reused  # the pool's reuse bits and caching stamps (shared, not copied)
+        self.stamps = stamps
+        self.heap: list[tuple[Any, ...]] = []
+        self.version = array("q", [0]) * n
+        self.hits = array("i", [0]) * n  # hits + merges since the page was cached
+        self.priority = bytearray([DEFAULT_PRIORITY]) * n
+        self.expiry: dict[int, float] = {}  # page -> when its priority ends (pages with a non-default one)
+        self.expiry_heap: list[tuple[float, int]] = []  # (when, page); stale unless expiry[page] == when
+        self.deferred: dict[int, tuple[Any, ...]] = {}  # interior pages skipped by `victim`: their entry
+        self.parent = array("i", [-1]) * n  # the chain parent page, while it is cached with the same stamp
+        self.parent_stamp = array("q", [0]) * n
+        self.children = array("i", [0]) * n  # cached chain children
+        self.tick = 0
+        self.last_use = array("q", [0]) * n  # the tick of each page's last listing
+        self.aging = 0
+        self.key: Callable[[int], tuple[Any, ...]] | None = None  # an external key replaces the policy's
+
+    # ------------------------------------------------------------------ pool events
+    def listed(self, page: int, refresh: bool = True) -> None:
+        """`page` entered or moved within an evictable list (`refresh`: it was just used), or its
+        priority changed (not `refresh`: it keeps its recency): push its current key."""
+        if refresh:
+            self.tick += 1
+            self.last_use[page] = self.tick
+        v = self.version[page] + 1
+        self.version[page] = v
+        tick = self.last_use[page]
+        if self.key is not None:
+            key = self.key(page)
+        elif self.policy == "lru":
+            key = (tick,)
+        elif self.policy == "slru":
+            key = (self.reused[page], tick)
+        else:
+            key = (self.aging + self.hits[page], tick)
+        heapq.heappush(self.heap, (self.priority[page], *key, v, page))
+        if len(self.heap) > 4 * (self.lists.count[LRU] + self.lists.count[PROBATION]) + 1024:
+            self._compact()
+
+    def hit(self, page: int) -> None:
+        """A request reused `page` (a prefix hit or a merge)."""
+        self.hits[page] += 1
+
+    def cached(self, page: int, parent: int, parent_stamp: int) -> None:
+        """`page` was just cached as the chain child of `parent` (-1: a chain root)."""
+        self.hits[page] = 0
+        self.parent[page] = parent
+        self.parent_stamp[page] = parent_stamp
+        if parent >= 0:
+            self.children[parent] += 1
+
+    def forget(self, page: int) -> None:
+        """`page` is about to lose its hash: drop its priority and its link to its parent, which may
+        become a leaf (a parent skipped by `victim` for that reason gets its old entry back)."""
+        self.version[page] += 1
+        self.hits[page] = 0
+        self.children[page] = 0
+        self.deferred.pop(page, None)
+        if self.priority[page] != DEFAULT_PRIORITY:
+            self.priority[page] = DEFAULT_PRIORITY
+            self.expiry.pop(page, None)
+        parent = self.parent[page]
+        self.parent[page] = -1
+        if parent >= 0 and self.stamps[parent] == self.parent_stamp[page]:
+            self.children[parent] -= 1
+            entry = self.deferred.pop(parent, None) if not self.children[parent] else None
+            if entry is not None and entry[-2] == self.version[parent]:
+                heapq.heappush(self.heap, entry)
+
+    def set_priority(self, page: int, priority: int, expires_at: float | None) -> None:
+        """Give cached `page` `priority` until `expires_at` (None: no end)."""
+        self.priority[page] = priority
+        self.expiry.pop(page, None)
+        if priority != DEFAULT_PRIORITY and expires_at is not None:
+            self.expiry[page] = expires_at
+            heapq.heappush(self.expiry_heap, (expires_at, page))
+        if self.lists.where[page] in (LRU, PROBATION):
+            self.listed(page, refresh=False)
+
+    # ------------------------------------------------------------------ eviction
+    def victim(self) -> int:
+        """The next page to evict (the lists must hold at least one evictable page)."""
+        self._expire()
+        heap, version, where = self.heap, self.version, self.lists.where
+        while heap:
+            entry = heapq.heappop(heap)
+            page = entry[-1]
+            if entry[-2] != version[page] or where[page] not in (LRU, PROBATION):
+                continue
+            if self.leaves_first and self.children[page]:
+                self.deferred[page] = entry  # pushed again by `forget` when its last child goes
+                continue
+            if self.policy == "lfu" and self.key is None:
+                self.aging = entry[1]
+            return page
+        # only chain interiors are left (their children are held or protected): oldest list page
+        return self.lists.head(PROBATION if self.lists.count[PROBATION] else LRU)
+
+    def _expire(self) -> None:
+        """Pages whose retention ended drop back to the default priority."""
+        heap = self.expiry_heap
+        if not heap:
+            return
+        now = self.clock()
+        while heap and heap[0][0] <= now:
+            when, page = heapq.heappop(heap)
+            if self.expiry.get(page) == when:
+                self.set_priority(page, DEFAULT_PRIORITY, None)
+
+    def _compact(self) -> None:
+        version, where = self.version, self.lists.where
+        self.heap = [e for e in self.heap if e[-2] == version[e[-1]] and where[e[-1]] in (LRU, PROBATION)]
+        heapq.heapify(self.heap)
+
+
+def check_order(order: HeapOrder, hashes: list[Any]) -> list[str]:
+    """Violations of the keyed order's invariants (empty when sound): every evictable page has a live
+    heap entry or a deferred one, and each page's child count equals its cached linked children."""
+    errors: list[str] = []
+    lists, version = order.lists, order.version
+    live = {e[-1] for e in order.heap if e[-2] == version[e[-1]]}
+    live.update(p for p, e in order.deferred.items() if e[-2] == version[p])
+    for which in (LRU, PROBATION):
+        missing = [p for p in lists.pages(which) if p not in live]
+        if missing:
+            errors.append(f"evictable pages without a live order entry: {missing[:8]}")
+    counts = [0] * len(order.children)
+    for page, h in enumerate(hashes):
+        parent = order.parent[page]
+        if (
+            h is not None
+            and parent >= 0
+            and hashes[parent] is not None
+            and order.stamps[parent] == order.parent_stamp[page]
+        ):
+            counts[parent] += 1
+    bad = [p for p, h in enumerate(hashes) if h is not None and counts[p] != order.children[p]]
+    if bad:
+        errors.append(f"child counts wrong for pages {bad[:8]}")
+    stray = [p for p, prio in enumerate(order.priority) if prio != DEFAULT_PRIORITY and hashes[p] is None]
+    if stray:
+        errors.append(f"uncached pages keep a retention priority: {stray[:8]}")
+    return errors

@@ -1,0 +1,221 @@
+"""Copy-on-write reuse of a cached prefix's last, partial page (pure Python + numpy).
+
+A full-page prefix hit stops at page k, the first page whose chained hash is
+not cached. The request's tokens of page k may still begin like a cached page
+that follows the same parent: the same chain up to page k - 1 (and so the same
+`cache_salt`). `PartialPages` finds, among the cached children of that parent,
+the one whose first m tokens equal the request's next tokens (longest m,
+``1 <= m < page_size``, and never the request's last token). `BlockManager.alloc`
+then, after its checks::
+
+    touches the source page          ref + 1: it can be neither evicted nor overwritten
+    allocates page k as usual        a fresh private page, uncommitted
+    records PageCopy(src, dst, m)    and skips m more tokens (`skip_processing`)
+
+The owner of the page buffers copies the first m token slots of src into dst
+(every layer, K and V, every shard, FP8 scales) before the next forward pass:
+`BlockManager.take_page_copies()` hands the pending copies over and drops the
+source references. `release` drops a copy never taken. When the request fills
+page k, the normal commit path hashes it.
+
+The child index maps a parent key to the cached pages that follow it. The
+parent key of page i is the prefix-cache key of page i - 1, or ``(root,)``
+for page 0 (the root digest folds in the salt). Row p of an int32
+``[num_blocks, page_size]`` array holds indexed page p's tokens. Pages enter
+at commit (one dict insert) and leave when the pool uncaches them
+(`BlockPool.on_uncached`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from pagedkv.core.context import RequestID, TextContext
+from pagedkv.core.errors import require as _require
+from pagedkv.core.hashing import BlockHash
+from pagedkv.core.tables import RequestPages
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pagedkv.core.block_pool import BlockPool
+
+__all__ = ["ChildIndex", "PageCopy", "Partial", "PartialPages", "make_partial_pages"]
+
+ParentKey = Hashable
+"""The prefix-cache key of a page's chain parent, or ``(root digest,)`` for a chain's first page."""
+Partial = tuple[int, int] | None
+"""A partial hit: (source page, tokens to copy), or None."""
+
+
+class PageCopy(NamedTuple):
+    """Copy token slots ``[0, num_tokens)`` of page `src` into page `dst` (all layers, K and V)."""
+
+    src: int
+    dst: int
+    num_tokens: int
+
+
+class ChildIndex:
+    """Cached pages by chain parent, with their tokens. Holds no references."""
+
+    def __init__(self, num_blocks: int, page_size: int) -> None:
+        self.page_size = page_size
+        self._tokens = np.zeros((num_blocks, page_size), dtype=np.int32)  # [pages, page_size]
+        self._parent: list[ParentKey | None] = [None] * num_blocks  # None: not indexed
+        self._children: dict[ParentKey, dict[int, None]] = {}  # parent -> pages (an insertion-ordered set)
+
+    def __len__(self) -> int:
+        return sum(len(c) for c in self._children.values())
+
+    def add(self, parent: ParentKey, page: int, tokens: np.ndarray) -> None:
+        """Index cached `page` (its `page_size` tokens) under `parent`; no-op if it is indexed."""
+        if self._parent[page] is not None:
+            return
+        self._parent[page] = parent
+        self._tokens[page] = tokens
+        children = self._children.get(parent)
+        if children is None:
+            self._children[parent] = {page: None}
+        else:
+            children[page] = None
+
+    def remove(self, page: int) -> None:
+        """Forget `page` (the pool uncached it); no-op if it is not indexed."""
+        parent = self._parent[page]
+        if parent is None:
+            return
+        self._parent[page] = None
+        children = self._children[parent]
+        del children[page]
+        if not children:
+            del self._children[parent]
+
+    def longest_match(self, parent: ParentKey, want: np.ndarray) -> tuple[int, int] | None:
+        """(page, m): the child of `parent` whose first m tokens equal ``want[:m]``, m largest
+        (ties: the earliest indexed), or None when no child matches a token. No side effects."""
+        children = self._children.get(parent)
+        if not children or not len(want):
+            return None
+        pages = np.fromiter(children, dtype=np.intp, count=len(children))  # [n]
+        eq = self._tokens[pages, : len(want)] == want  # [n, len(want)]
+        match = np.where(eq.all(axis=1), len(want), eq.argmin(axis=1))  # [n] leading equal tokens
+        best = int(match.argmax())
+        return (int(pages[best]), int(match[best])) if match[best] else None
+
+    def parent_of(self, page: int) -> ParentKey | None:
+        """The parent key `page` is indexed under, or None."""
+        return self._parent[page]
+
+    def pages(self) -> set[int]:
+        """Every indexed page."""
+        return {p for children in self._children.values() for p in children}
+
+
+class PartialPages:
+    """The child index and the pending copies of one `BlockManager` (see the module docstring)."""
+
+    def __init__(self, pool: BlockPool, page_size: int, root: Callable[[str | None], bytes]) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self._root = root
+        self.index = ChildIndex(pool.num_blocks, page_size)
+        self.pending: dict[RequestID, PageCopy] = {}
+        pool.on_uncached.append(self.index.remove)
+
+    def _parent_key(self, keys: Sequence[BlockHash], i: int, ctx: TextContext) -> ParentKey:
+        return keys[i - 1] if i else (self._root(ctx.cache_salt),)
+
+    def find(self, ctx: TextContext, keys: Sequence[BlockHash], first: int, hits: Sequence[int], need: int) -> Partial:
+        """(source page, m) for the request's page ``first + len(hits)``, or None. No side effects.
+
+        `keys`: the request's page keys, at least up to that page's parent.
+        `need`: new pages the alloc takes. A free source leaves the free count
+        when touched; where that extra page is not there, the partial hit is
+        skipped rather than failing an alloc that fits without it.
+        """
+        ps, tokens = self.page_size, ctx.tokens
+        k = first + len(hits)
+        start = k * ps
+        limit = min(ps - 1, tokens.current_position - 1 - start)  # the last (window) token is computed
+        if limit < 1:
+            return None
+        found = self.index.longest_match(self._parent_key(keys, k, ctx), tokens.all[start : start + limit])
+        if found is None:
+            return None
+        pool = self.pool
+        if pool.ref_count(found[0]) == 0 and need + 1 > pool.num_free - pool.count_unreferenced(hits):
+            return None
+        return found
+
+    def record(self, st: RequestPages, ctx: TextContext, src: int, num_tokens: int) -> int:
+        """After `alloc` touched `src` and appended page ``st.committed``: queue the copy, skip the
+        tokens; returns how many."""
+        self.pending[ctx.request_id] = PageCopy(src, int(st.pages[st.committed]), num_tokens)
+        ctx.tokens.skip_processing(num_tokens)
+        return num_tokens
+
+    def committed(self, st: RequestPages, ctx: TextContext, first: int, stop: int) -> None:
+        """Index the request's pages [first, stop), just committed (merged ones are indexed already)."""
+        ps, pages, hashes, add = self.page_size, st.pages, st.hashes, self.index.add
+        tokens = ctx.tokens._array  # the buffer itself: `all` builds a read-only view per call
+        for i in range(first, stop):
+            add(hashes[i - 1] if i else (self._root(ctx.cache_salt),), int(pages[i]), tokens[i * ps : (i + 1) * ps])
+
+    def take(self) -> list[PageCopy]:
+        """Every pending copy, oldest first; their source references are dropped."""
+        copies = list(self.pending.values())
+        self.pending.clear()
+        self.pool.free([c.src for c in copies])
+        return copies
+
+    def drop(self, request_id: RequestID) -> None:
+        """Forget `request_id`'s pending copy, if any, and its source reference."""
+        copy = self.pending.pop(request_id, None)
+        if copy is not None:
+            self.pool.free((copy.src,))
+
+    def check(self, reqs: Mapping[RequestID, RequestPages], holders: Counter[int]) -> None:
+        """Raise `IntegrityError` unless each pending copy targets its request's page ``committed``
+        (uncommitted) from a cached source, and the index holds exactly the cached pages. Adds the
+        source references to `holders`."""
+        pool, ps = self.pool, self.page_size
+        for rid, (src, dst, n) in self.pending.items():
+            st = reqs.get(rid)
+            _require(st is not None, f"pending page copy of request {rid!r}, which is not claimed")
+            assert st is not None
+            where = f"request {rid!r} pending copy {src} -> {dst} of {n} tokens"
+            _require(1 <= n < ps, f"{where}: needs 1 <= tokens < page_size={ps}")
+            _require(st.committed < st.num_pages and int(st.pages[st.committed]) == dst,
+                     f"{where}: dst is not the request's page {st.committed} (its first uncommitted)")  # fmt: skip
+            _require(pool.block_hash(dst) is None, f"{where}: dst is committed")
+            _require(pool.block_hash(src) is not None, f"{where}: src is not cached")
+            holders[src] += 1
+        cached = {p for p in range(pool.num_blocks) if pool.block_hash(p) is not None}
+        indexed = self.index.pages()
+        _require(indexed == cached, f"child index pages {sorted(indexed ^ cached)} disagree with the prefix cache")
+
+    def state(self) -> tuple[Any, ...]:
+        """Pending copies and index entries, for no-trace comparisons in tests."""
+        entries = {p: (self.index.parent_of(p), self.index._tokens[p].tolist()) for p in sorted(self.index.pages())}
+        return sorted(self.pending.items(), key=repr), entries
+
+
+def make_partial_pages(
+    enabled: bool, pool: BlockPool, page_size: int, root: Callable[[str | None], bytes]
+) -> PartialPages | None:
+    """`PartialPages` for a `BlockManager` built with ``partial_page_reuse=enabled`` (None when off).
+
+    Raises TypeError unless `enabled` is a bool, ValueError when it is True without prefix caching
+    or on a pool shared by several groups (hybrid models do not support it)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"partial_page_reuse={enabled!r} must be a bool")
+    if not enabled:
+        return None
+    if not pool.enable_prefix_caching:
+        raise ValueError("partial_page_reuse=True needs enable_prefix_caching=True")
+    if pool.num_groups != 1:
+        raise ValueError(f"partial_page_reuse=True supports one KV cache group, not {pool.num_groups}")
+    return PartialPages(pool, page_size, root)
