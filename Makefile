@@ -4,7 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean redis-server
+PEERS_VENV := .venv-peers
+PEERS_BIN := $(PEERS_VENV)/bin
+PEERS_STAMP := $(PEERS_VENV)/.installed
+
+.PHONY: demo test bench lint clean redis-server peers test-peers
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,8 +30,28 @@ redis-server:
 		{ $$SUDO apt-get update -qq >/dev/null 2>&1 && $$SUDO apt-get install -y -qq redis-server >/dev/null 2>&1; } || \
 		echo "note: could not install redis-server; the Redis tier tests will skip"; }
 
+# tests/peers run in .venv-peers (`make test-peers`); under PAGEDKV_REQUIRE_PEERS=1 `make test` runs them too.
 test: $(STAMP) redis-server
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --ignore=tests/peers
+	if [ "$$PAGEDKV_REQUIRE_PEERS" = 1 ]; then $(MAKE) test-peers; fi
+
+# Real vLLM 0.33.0 and SGLang 0.5.23 cache managers as benchmark peers, in their own venv (CPU only).
+# CPU torch first, then the merged pins with --no-deps (their own torch pins would pull CUDA builds);
+# pagedkv itself with --no-deps too, so `.[dev]` cannot move transformers off the pinned 5.20.2.
+$(PEERS_STAMP): requirements/peers-cpu.txt pyproject.toml
+	test -x $(PEERS_BIN)/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_BIN)/pip install "torch==2.13.0+cpu" || \
+		$(PEERS_BIN)/pip install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+	$(PEERS_BIN)/pip install --no-deps -r requirements/peers-cpu.txt
+	$(PEERS_BIN)/pip install --no-deps -e .
+	$(PEERS_BIN)/pip install numpy xxhash hypothesis pytest matplotlib
+	$(PEERS_BIN)/python -c "import torch, transformers; assert torch.__version__ == '2.13.0+cpu', torch.__version__; assert transformers.__version__ == '5.20.2', transformers.__version__"
+	touch $(PEERS_STAMP)
+
+peers: $(PEERS_STAMP)
+
+test-peers: $(PEERS_STAMP)
+	PAGEDKV_REQUIRE_PEERS=1 $(PEERS_BIN)/python -m pytest tests/peers -q
 
 bench: $(STAMP)
 	$(BIN)/pagedkv bench manager
@@ -37,4 +61,4 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(PEERS_VENV) build src/*.egg-info .pytest_cache

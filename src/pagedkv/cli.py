@@ -78,7 +78,48 @@ def _parser() -> argparse.ArgumentParser:
     tie.add_argument("--ttft-hidden", type=int, default=512, help="hidden size of the TTFT model")
     tie.add_argument("--ttft-layers", type=int, default=8)
     tie.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    cmp = kinds.add_parser("compare", help="pagedkv vs vLLM and SGLang cache managers and the Belady bound, "
+                                           "on five workloads over a capacity sweep")  # fmt: skip
+    cmp.add_argument("--workloads", default="zipf,multiturn,fewshot,docqa,nosharing")
+    cmp.add_argument("--requests", type=int, default=1000, help="requests per workload")
+    cmp.add_argument("--fractions", default="0.1,0.2,0.4,1.0",
+                     help="capacities, as fractions of the pages an unbounded cache would hold")  # fmt: skip
+    cmp.add_argument("--peers", default="vllm,sglang", help="peer managers to load ('' for none)")
+    cmp.add_argument("--policies", default="pagedkv-lru,pagedkv-slru,pagedkv-lfu,pagedkv-lru-leaves")
+    cmp.add_argument("--no-belady", action="store_true")
+    cmp.add_argument("--seed", type=int, default=0)
+    cmp.add_argument("--json", type=Path, help="write every row to this JSON file")
+    cmp.add_argument("--markdown", type=Path, help="write the tables to this markdown file")
+    cmp.add_argument("--plots", type=Path, help="write PNG plots into this directory")
     return parser
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from pagedkv.bench.compare.report import format_markdown, write_plots
+    from pagedkv.bench.compare.run import run_compare
+
+    def progress(done: int, total: int, line: str) -> None:
+        bar = "#" * (30 * done // total)
+        sys.stderr.write(f"\r\x1b[K[{bar:.<30}] {done}/{total} {line}")
+        sys.stderr.flush()
+
+    result = run_compare(
+        workloads=[w for w in args.workloads.split(",") if w], num_requests=args.requests,
+        fractions=[float(f) for f in args.fractions.split(",") if f], peers=[p for p in args.peers.split(",") if p],
+        policies=[p for p in args.policies.split(",") if p], belady=not args.no_belady, seed=args.seed,
+        progress=progress,
+    )  # fmt: skip
+    sys.stderr.write("\n")
+    text = format_markdown(result)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.markdown:
+        args.markdown.write_text(text)
+    if args.plots:
+        for path in write_plots(result, args.plots):
+            print(f"wrote {path}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pagedkv.demo import run_demo
 
         return run_demo(args.requests, args.seed, manager_only=args.manager_only, model_path=args.model)
+    if args.bench == "compare":
+        return _compare(args)
     if args.bench == "attention":
         from pagedkv.bench.attention_bench import format_attention_report, run_attention_bench
 

@@ -1,0 +1,127 @@
+"""Tables, the policy verdict and PNG plots for a `run_compare` result (a JSON-able dict)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+__all__ = ["format_markdown", "policy_verdict", "write_plots", "cells"]
+
+BASE = "pagedkv-lru"
+
+
+def cells(result: dict[str, Any]) -> dict[tuple[str, int], dict[str, dict[str, Any]]]:
+    """(workload, capacity) -> manager -> row."""
+    out: dict[tuple[str, int], dict[str, dict[str, Any]]] = defaultdict(dict)
+    for row in result["rows"]:
+        out[(row["workload"], row["capacity_pages"])][row["manager"]] = row
+    return out
+
+
+def _managers(result: dict[str, Any]) -> list[str]:
+    seen: dict[str, None] = {}
+    for row in result["rows"]:
+        seen.setdefault(row["manager"], None)
+    return list(seen)
+
+
+def policy_verdict(result: dict[str, Any], base: str = BASE, max_loss: float = 0.01) -> dict[str, Any]:
+    """Per pagedkv policy: worst and mean hit-rate difference to `base` over every cell; the winner is
+    the policy with the best mean among those never worse than `base` by more than `max_loss`."""
+    table = cells(result)
+    stats: dict[str, dict[str, float]] = {}
+    for name in _managers(result):
+        if not name.startswith("pagedkv-") or name == base:
+            continue
+        diffs = [c[name]["hit_rate"] - c[base]["hit_rate"] for c in table.values() if name in c and base in c]
+        if diffs:
+            stats[name] = {"worst": min(diffs), "mean": sum(diffs) / len(diffs), "best": max(diffs)}
+    eligible = {n: s for n, s in stats.items() if s["worst"] >= -max_loss and s["mean"] > 0}
+    winner = max(eligible, key=lambda n: eligible[n]["mean"]) if eligible else base
+    return {"base": base, "policies": stats, "winner": winner, "max_loss": max_loss}
+
+
+def format_markdown(result: dict[str, Any]) -> str:
+    """Hit rates, prefill recomputed, preemptions and bookkeeping cost per workload and capacity."""
+    table, managers = cells(result), _managers(result)
+    lines = ["### Prefix hit rate (token-weighted, first admissions)", ""]
+    lines += [f"| workload | pages | ideal | {' | '.join(managers)} |", "|---" * (len(managers) + 3) + "|"]
+    for (w, pages), row in sorted(table.items()):
+        hits = " | ".join(f"{row[m]['hit_rate']:.4f}" if m in row else "-" for m in managers)
+        lines.append(f"| {w} | {pages} | {result['ideal'][w]['page']:.4f} | {hits} |")
+    lines += ["", "### Prefill tokens computed / preemptions", ""]
+    lines += [f"| workload | pages | {' | '.join(managers)} |", "|---" * (len(managers) + 2) + "|"]
+    for (w, pages), row in sorted(table.items()):
+        vals = " | ".join(f"{row[m]['prefill_tokens_computed']} / {row[m]['preemptions']}" if m in row else "-"
+                          for m in managers)  # fmt: skip
+        lines.append(f"| {w} | {pages} | {vals} |")
+    lines += ["", "### Bookkeeping µs per scheduled request-step (ratio pagedkv-lru / peer)", ""]
+    peers = [m for m in managers if not m.startswith("pagedkv") and m != "belady"]
+    head = [*([BASE] if BASE in managers else []), *peers]
+    lines += [f"| workload | pages | {' | '.join(head)} | {' | '.join(f'/{p}' for p in peers)} |",
+              "|---" * (len(head) + len(peers) + 2) + "|"]  # fmt: skip
+    for (w, pages), row in sorted(table.items()):
+        us = " | ".join(f"{row[m]['bookkeeping_us']:.2f}" if m in row else "-" for m in head)
+        ratios = " | ".join(
+            f"{row[BASE]['bookkeeping_us'] / row[p]['bookkeeping_us']:.2f}" if p in row and BASE in row else "-"
+            for p in peers
+        )
+        lines.append(f"| {w} | {pages} | {us} | {ratios} |")
+    lines += ["", "### Prompt hashing, ns per token", ""]
+    names = sorted({k for h in result["hashing"].values() for k in h})
+    lines += [f"| workload | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
+    for w, h in result["hashing"].items():
+        lines.append(f"| {w} | {' | '.join(f'{h[n]:.1f}' if n in h else '-' for n in names)} |")
+    verdict = policy_verdict(result)
+    lines += ["", f"### Eviction policies vs {verdict['base']} (hit-rate points)", ""]
+    lines += ["| policy | worst | mean | best |", "|---|---|---|---|"]
+    for name, s in verdict["policies"].items():
+        lines.append(f"| {name} | {100 * s['worst']:+.2f} | {100 * s['mean']:+.2f} | {100 * s['best']:+.2f} |")
+    lines += ["", f"Winner (never loses more than {100 * verdict['max_loss']:.0f} point): {verdict['winner']}"]
+    for peer, why in result["skipped"].items():
+        lines.append(f"\nSkipped {peer}: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(result: dict[str, Any], directory: Path) -> list[Path]:
+    """One PNG per workload (hit rate vs capacity, every manager, with the ideal) and one of the
+    bookkeeping cost at the largest capacity. Needs matplotlib (extra `pagedkv[bench]`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    table, managers, paths = cells(result), _managers(result), []
+    for w in result["ideal"]:
+        caps = sorted(p for (wl, p) in table if wl == w)
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for m in managers:
+            xs = [p for p in caps if m in table[(w, p)]]
+            style = "--" if m == "belady" else "-"
+            ax.plot(xs, [table[(w, p)][m]["hit_rate"] for p in xs], style, marker="o", label=m)
+        ax.axhline(result["ideal"][w]["page"], color="gray", linestyle=":", label="ideal (unbounded)")
+        ax.set(xscale="log", xlabel="pages in the pool", ylabel="prefix hit rate", title=f"{w}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(directory / f"hit_rate_{w}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+    workloads = list(result["ideal"])
+    width = 0.8 / max(len(managers), 1)
+    for i, m in enumerate(managers):
+        vals = []
+        for w in workloads:
+            top = max(p for (wl, p) in table if wl == w)
+            vals.append(table[(w, top)].get(m, {}).get("bookkeeping_us", 0.0))
+        ax.bar([k + i * width for k in range(len(workloads))], vals, width, label=m)
+    ax.set_xticks([k + 0.4 for k in range(len(workloads))], workloads)
+    ax.set(ylabel="µs per scheduled request-step", title="bookkeeping cost (largest capacity)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(directory / "bookkeeping_us.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

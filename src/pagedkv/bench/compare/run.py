@@ -1,0 +1,176 @@
+"""`pagedkv bench compare`: every manager on every workload and capacity, side by side in one process.
+
+For each workload (`traces`) the capacity sweeps from tight to ample as
+fractions of the pages an unbounded cache would end up holding (never below
+`floor_pages`). At each capacity the same driver (`sim.simulate`) replays the
+trace through:
+
+- pagedkv with each eviction policy (`POLICIES`);
+- the peers, real vLLM and SGLang code, when importable (else reported skipped);
+- Belady's offline-optimal eviction on pagedkv's manager (two passes: the
+  future is read from the previous pass's order of first admissions).
+
+The garbage collector is frozen after setup, as vLLM's engine core does.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pagedkv.bench.compare.pagedkv_adapter import BeladyAdapter, PagedKVAdapter, compare_params
+from pagedkv.bench.compare.peers import PeerUnavailable, load_peer
+from pagedkv.bench.compare.sim import CacheAdapter, SimConfig, SimRequest, SimResult, simulate
+from pagedkv.bench.compare.traces import WORKLOADS, ideal_hit_rates, make_trace, unique_pages
+from pagedkv.core.hashing import PrefixHasher
+
+__all__ = ["POLICIES", "run_compare", "hash_ns_per_token"]
+
+# name -> KVCacheParams overrides of pagedkv's configurations
+POLICIES: dict[str, dict[str, Any]] = {
+    "pagedkv-lru": {},
+    "pagedkv-slru": {"eviction_policy": "slru"},
+    "pagedkv-lfu": {"eviction_policy": "lfu"},
+    "pagedkv-lru-leaves": {"evict_leaves_first": True},
+}
+FRACTIONS = (0.1, 0.2, 0.4, 1.0)
+
+Progress = Callable[[int, int, str], None]  # (runs done, runs planned, what just ran)
+
+
+def _replay(adapter: CacheAdapter, trace: Sequence[SimRequest], config: SimConfig) -> SimResult:
+    gc.collect()
+    gc.freeze()
+    try:
+        return simulate(adapter, trace, config)
+    finally:
+        gc.unfreeze()
+
+
+def _row(workload: str, pages: int, res: SimResult) -> dict[str, Any]:
+    return {
+        "workload": workload, "capacity_pages": pages, "manager": res.name, "hit_rate": res.hit_rate,
+        "prefill_tokens_computed": res.prefill_tokens_computed, "preemptions": res.preemptions,
+        "bookkeeping_us": res.bookkeeping_us, "request_steps": res.request_steps, "steps": res.steps,
+        "seconds": dict(res.seconds), "peak_used_pages": res.peak_used_pages,
+    }  # fmt: skip
+
+
+def capacities(trace: list[SimRequest], page_size: int, fractions: Sequence[float], floor_pages: int) -> list[int]:
+    """Pool sizes for the sweep: `fractions` of the unbounded cache's pages, at least `floor_pages` and
+    at least twice the longest request."""
+    longest = max(-(-len(r.tokens) // page_size) for r in trace)
+    total = unique_pages(trace, page_size)
+    return sorted({max(floor_pages, 2 * longest, int(total * f)) for f in fractions})
+
+
+def run_compare(
+    workloads: Sequence[str] = tuple(WORKLOADS),
+    num_requests: int = 1000,
+    fractions: Sequence[float] = FRACTIONS,
+    peers: Sequence[str] = ("vllm", "sglang"),
+    policies: Sequence[str] = tuple(POLICIES),
+    belady: bool = True,
+    page_size: int = 16,
+    floor_pages: int = 1024,
+    config: SimConfig | None = None,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Run the sweep; returns {"rows", "ideal", "skipped", "hashing", "config"} (see `report`)."""
+    config = config or SimConfig()
+    rows: list[dict[str, Any]] = []
+    planned = len(workloads) * len(fractions) * (len(policies) + len(peers) + int(belady))
+    ticker = _Ticker(progress, planned)
+    ideal: dict[str, dict[str, float]] = {}
+    skipped: dict[str, str] = {}
+    hashing: dict[str, dict[str, float]] = {}
+    for workload in workloads:
+        trace = make_trace(workload, num_requests, seed)
+        page_ideal, token_ideal = ideal_hit_rates(trace, page_size)
+        ideal[workload] = {"page": page_ideal, "token": token_ideal}
+        hashing[workload] = hash_ns_per_token(trace, page_size, peers, skipped)
+        for pages in capacities(trace, page_size, fractions, floor_pages):
+            order: list[int] = []
+            for name in policies:
+                res = _replay(PagedKVAdapter(name, compare_params(page_size, **POLICIES[name]), pages), trace, config)
+                order = order or res.first_admission_order
+                rows.append(_row(workload, pages, res))
+                ticker(workload, pages, res)
+            for peer in peers:
+                if peer in skipped:
+                    ticker(workload, pages, None, f"{peer} skipped")
+                    continue
+                try:
+                    adapter = load_peer(peer, num_pages=pages, page_size=page_size)
+                except PeerUnavailable as exc:
+                    skipped[peer] = str(exc)
+                    ticker(workload, pages, None, f"{peer} skipped")
+                    continue
+                res = _replay(adapter, trace, config)
+                rows.append(_row(workload, pages, res))
+                ticker(workload, pages, res)
+            if belady:
+                res = _belady(trace, pages, page_size, order, config)
+                rows.append(_row(workload, pages, res))
+                ticker(workload, pages, res)
+    return {
+        "rows": rows, "ideal": ideal, "skipped": skipped, "hashing": hashing,
+        "config": {"workloads": list(workloads), "num_requests": num_requests, "fractions": list(fractions),
+                   "page_size": page_size, "max_num_seqs": config.max_num_seqs,
+                   "max_num_batched_tokens": config.max_num_batched_tokens, "seed": seed},
+    }  # fmt: skip
+
+
+def _belady(trace: list[SimRequest], pages: int, page_size: int, order: list[int], config: SimConfig) -> SimResult:
+    """The better of two Belady passes (each reads the future from the previous pass's admission order)."""
+    best: SimResult | None = None
+    for _ in range(2):
+        res = _replay(BeladyAdapter(compare_params(page_size), pages, trace, order), trace, config)
+        order = res.first_admission_order
+        if best is None or res.hit_rate > best.hit_rate:
+            best = res
+    assert best is not None
+    return best
+
+
+class _Ticker:
+    """Counts finished runs and tells `progress` about each."""
+
+    def __init__(self, progress: Progress | None, planned: int) -> None:
+        self.progress, self.planned, self.done = progress, planned, 0
+
+    def __call__(self, workload: str, pages: int, res: SimResult | None, note: str = "") -> None:
+        self.done += 1
+        if self.progress is not None:
+            what = note or (f"{res.name}: hit {res.hit_rate:.4f}, {res.bookkeeping_us:.2f} us/step" if res else "")
+            self.progress(min(self.done, self.planned), self.planned, f"{workload} @ {pages} pages: {what}")
+
+
+def hash_ns_per_token(trace: list[SimRequest], page_size: int, peers: Sequence[str],
+                      skipped: dict[str, str], repeats: int = 3) -> dict[str, float]:  # fmt: skip
+    """Prompt hashing cost per token, best of `repeats` passes over every prompt of `trace`: pagedkv's
+    chain (sha256 and xxh3_128, a fresh hasher per pass) and vLLM's own block hasher when installed."""
+    prompts = [r.tokens[: r.prompt_len] for r in trace]
+    n_tokens = sum(len(p) // page_size * page_size for p in prompts)
+    out: dict[str, float] = {}
+    for algo in ("sha256", "xxh3_128"):
+        best = float("inf")
+        for _ in range(repeats):
+            hasher = PrefixHasher(algo, page_size, None)
+            t0 = time.perf_counter()
+            for p in prompts:
+                hasher.extend(p, 0, len(p) // page_size, hasher.root(None))
+            best = min(best, time.perf_counter() - t0)
+        out[f"pagedkv_{algo}"] = 1e9 * best / n_tokens
+    if "vllm" in peers and "vllm" not in skipped:
+        try:
+            from pagedkv.bench.compare.peer_vllm import vllm_hash_ns_per_token
+
+            for name in ("sha256", "xxhash"):
+                out[f"vllm_{name}"] = vllm_hash_ns_per_token(prompts, page_size, name)
+        except (ImportError, PeerUnavailable) as exc:
+            skipped["vllm"] = str(exc)
+    return out

@@ -1,0 +1,246 @@
+"""One scheduler loop for every cache manager compared: pagedkv, vLLM's, SGLang's and the bounds.
+
+The loop is a miniature of vLLM's v1 scheduler (the convention the peer
+figures in ``shared/reference/lab_peers.md`` were measured under), driven
+through the small `CacheAdapter` protocol so each manager sees exactly the
+same calls in the same order:
+
+1. ``adapter.new_step()``.
+2. Running requests, oldest first, while the token budget lasts: ``extend(req, n)``
+   with n the next prefill chunk or 1. On False the newest running request is
+   preempted (``free(victim, preempted=True)``, its computed tokens forgotten,
+   generated tokens kept) and requeued at the front, then the call is retried.
+3. Waiting requests, unless something was preempted this step, while a batch
+   slot and budget remain: ``admit(req, budget)`` returns (cached tokens, chunk)
+   or None (does not fit: admissions stop for this step).
+4. "Forward": every scheduled request's ``num_computed`` grows by its chunk;
+   one that reached its end takes the next trace token. ``advance(batch)``
+   then lets the manager commit, and finished requests are ``free``d.
+
+A request with ``after`` set (the next turn of a conversation) joins the
+queue only once that request has finished. Time spent inside adapter calls
+is the bookkeeping cost; the driver's own work is not counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = ["SimRequest", "CacheAdapter", "SimConfig", "SimResult", "simulate"]
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """One request of a trace plus the driver's view of its progress.
+
+    `tokens` holds the prompt followed by every token the request will
+    generate; the live sequence is ``tokens[:num_tokens]``.
+    """
+
+    rid: int
+    tokens: np.ndarray  # int32 [prompt_len + output_len]
+    prompt_len: int
+    after: int | None = None  # rid that must finish before this one arrives
+    num_output: int = 0  # generated tokens so far (the sequence is prompt + these)
+    num_computed: int = 0  # tokens whose KV is written
+    admissions: int = 0
+    handle: Any = None  # the adapter's per-request state
+
+    @property
+    def output_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def num_tokens(self) -> int:
+        """Length of the live sequence (prompt + generated so far)."""
+        return self.prompt_len + self.num_output
+
+    @property
+    def live_tokens(self) -> np.ndarray:
+        return self.tokens[: self.num_tokens]  # int32 [num_tokens]
+
+    def fresh(self) -> SimRequest:
+        """A copy with no progress (each replay starts from these)."""
+        return SimRequest(self.rid, self.tokens, self.prompt_len, self.after)
+
+
+class CacheAdapter(Protocol):
+    """What the loop asks of a cache manager. Every method may be timed."""
+
+    name: str
+
+    def new_step(self) -> None: ...
+
+    def admit(self, req: SimRequest, budget: int) -> tuple[int, int] | None:
+        """Look up the cached prefix of ``req.live_tokens`` and make room for the first chunk.
+
+        Returns (tokens served from the cache, chunk = min(uncached, budget)),
+        or None when it does not fit (and then nothing changed)."""
+        ...
+
+    def extend(self, req: SimRequest, n: int) -> bool:
+        """Room for `n` more tokens of a running request; False (nothing changed) when full."""
+        ...
+
+    def advance(self, batch: Sequence[tuple[SimRequest, int]]) -> None:
+        """After the forward pass: each request computed its chunk; a token was appended where
+        ``num_computed == num_tokens - 1`` now holds (the driver already updated both)."""
+        ...
+
+    def free(self, req: SimRequest, preempted: bool) -> None: ...
+
+    def used_pages(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+
+@dataclass
+class SimResult:
+    """Counters and bookkeeping seconds of one replay."""
+
+    name: str
+    first_prompt_tokens: int = 0
+    first_hit_tokens: int = 0
+    prefill_tokens_computed: int = 0  # prompt tokens run through the model, re-admissions included
+    preemptions: int = 0
+    steps: int = 0
+    request_steps: int = 0  # (request, step) pairs scheduled
+    seconds: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("admit", "extend", "advance", "free"), 0.0)
+    )
+    peak_used_pages: int = 0
+    first_admission_order: list[int] = field(default_factory=list)
+    wall_seconds: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens served from the cache / prompt tokens, over first admissions (vLLM's definition)."""
+        return self.first_hit_tokens / self.first_prompt_tokens if self.first_prompt_tokens else 0.0
+
+    @property
+    def bookkeeping_us(self) -> float:
+        """Microseconds of manager calls per scheduled request-step."""
+        return 1e6 * sum(self.seconds.values()) / max(self.request_steps, 1)
+
+
+def simulate(
+    adapter: CacheAdapter,
+    trace: Sequence[SimRequest],
+    config: SimConfig | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> SimResult:
+    """Serve every request of `trace` (fresh copies) through `adapter`; returns its counters."""
+    config = config or SimConfig()
+    reqs = [r.fresh() for r in trace]
+    followers: dict[int, list[SimRequest]] = {}
+    for r in reqs:
+        if r.after is not None:
+            followers.setdefault(r.after, []).append(r)
+    waiting = deque(r for r in reqs if r.after is None)
+    running: list[SimRequest] = []
+    res = SimResult(adapter.name)
+    done, clock, sec = 0, time.perf_counter, res.seconds
+    start = clock()
+    while waiting or running:
+        t0 = clock()
+        adapter.new_step()
+        sec["extend"] += clock() - t0
+        budget = config.max_num_batched_tokens
+        batch, preempted = _schedule_running(adapter, running, waiting, budget, res)
+        budget -= sum(n for _, n in batch)
+        if not preempted:
+            _admit(adapter, waiting, running, batch, budget, config, res)
+        finished = _forward(batch)
+        t0 = clock()
+        adapter.advance(batch)
+        sec["advance"] += clock() - t0
+        res.request_steps += len(batch)
+        res.peak_used_pages = max(res.peak_used_pages, adapter.used_pages())
+        for r in finished:
+            running.remove(r)
+            t0 = clock()
+            adapter.free(r, preempted=False)
+            sec["free"] += clock() - t0
+            waiting.extend(followers.pop(r.rid, ()))
+        done += len(finished)
+        if progress and finished:
+            progress(done, len(reqs))
+        res.steps += 1
+    res.wall_seconds = clock() - start
+    return res
+
+
+def _schedule_running(adapter: CacheAdapter, running: list[SimRequest], waiting: deque, budget: int,
+                      res: SimResult) -> tuple[list[tuple[SimRequest, int]], bool]:  # fmt: skip
+    batch: list[tuple[SimRequest, int]] = []
+    preempted = False
+    clock, sec = time.perf_counter, res.seconds
+    i = 0
+    while i < len(running) and budget > 0:
+        req = running[i]
+        n = min(req.num_tokens - req.num_computed, budget)
+        t0 = clock()
+        ok = adapter.extend(req, n)
+        sec["extend"] += clock() - t0
+        if ok:
+            batch.append((req, n))
+            budget -= n
+            i += 1
+            continue
+        victim = running.pop()  # the newest yields and is recomputed later
+        t0 = clock()
+        adapter.free(victim, preempted=True)
+        sec["free"] += clock() - t0
+        victim.num_computed = 0
+        waiting.appendleft(victim)
+        res.preemptions += 1
+        preempted = True
+        if victim is req:
+            break
+    return batch, preempted
+
+
+def _admit(adapter: CacheAdapter, waiting: deque, running: list[SimRequest], batch: list, budget: int,
+           config: SimConfig, res: SimResult) -> None:  # fmt: skip
+    clock = time.perf_counter
+    while waiting and len(running) < config.max_num_seqs and budget > 0:
+        req = waiting[0]
+        t0 = clock()
+        got = adapter.admit(req, budget)
+        res.seconds["admit"] += clock() - t0
+        if got is None:
+            break
+        hit, n = got
+        waiting.popleft()
+        req.num_computed = hit
+        if req.admissions == 0:
+            res.first_prompt_tokens += req.prompt_len
+            res.first_hit_tokens += min(hit, req.prompt_len)
+            res.first_admission_order.append(req.rid)
+        res.prefill_tokens_computed += req.num_tokens - hit
+        req.admissions += 1
+        running.append(req)
+        batch.append((req, n))
+        budget -= n
+
+
+def _forward(batch: list[tuple[SimRequest, int]]) -> list[SimRequest]:
+    """Advance every scheduled request by its chunk; returns those that generated their last token."""
+    finished = []
+    for req, n in batch:
+        req.num_computed += n
+        if req.num_computed == req.num_tokens:
+            req.num_output += 1
+            if req.num_output == req.output_len:
+                finished.append(req)
+    return finished

@@ -1,0 +1,135 @@
+"""`pagedkv bench compare`: the shared driver, the workloads, the bounds, the report and the CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pagedkv.bench.compare.pagedkv_adapter import BeladyAdapter, PagedKVAdapter, compare_params
+from pagedkv.bench.compare.report import format_markdown, policy_verdict, write_plots
+from pagedkv.bench.compare.run import capacities, run_compare
+from pagedkv.bench.compare.sim import SimConfig, SimRequest, simulate
+from pagedkv.bench.compare.traces import WORKLOADS, ideal_hit_rates, make_trace, unique_pages
+from pagedkv.cli import main
+
+PS = 16
+
+
+def req(rid: int, prompt: np.ndarray, n_out: int, after: int | None = None, seed: int = 0) -> SimRequest:
+    out = np.random.default_rng([seed, rid]).integers(0, 32000, n_out, dtype=np.int32)
+    return SimRequest(rid, np.concatenate([prompt, out]).astype(np.int32), len(prompt), after)
+
+
+def shared_trace(n_out: int = 8) -> list[SimRequest]:
+    """4 system prompts of 64 tokens x 10 requests, each + 20 unique tokens, `n_out` generated."""
+    rng = np.random.default_rng(7)
+    systems = [rng.integers(0, 32000, 64, dtype=np.int32) for _ in range(4)]
+    return [req(i, np.concatenate([systems[i % 4], rng.integers(0, 32000, 20, dtype=np.int32)]), n_out)
+            for i in range(40)]  # fmt: skip
+
+
+def test_ample_cache_reaches_the_ideal_exactly() -> None:
+    trace = shared_trace()
+    page_ideal, token_ideal = ideal_hit_rates(trace, PS)
+    assert page_ideal == 36 * 64 / (40 * 84)  # all but the first of each group hit 4 full pages
+    assert token_ideal == page_ideal  # the unique suffixes start on a page boundary
+    one_at_a_time = SimConfig(max_num_seqs=1)  # (pages are hittable once written: after their step)
+    res = simulate(PagedKVAdapter("lru", compare_params(PS), 1000), trace, one_at_a_time)
+    assert res.hit_rate == page_ideal and res.preemptions == 0
+    assert res.first_prompt_tokens == 40 * 84 and res.prefill_tokens_computed == 40 * 84 - 36 * 64
+    assert sorted(res.first_admission_order) == list(range(40))
+
+
+def test_next_turn_hits_the_previous_turns_committed_pages() -> None:
+    first = req(0, np.arange(100, 150, dtype=np.int32), 10)  # 50 + 10 tokens; computes 59 -> 3 full pages
+    second = req(1, np.concatenate([first.tokens, np.arange(7, dtype=np.int32)]), 5, after=0)
+    res = simulate(PagedKVAdapter("lru", compare_params(PS), 100), [first, second])
+    assert res.first_hit_tokens == 48  # 3 pages; the partial 4th page is not reused
+    assert res.first_admission_order == [0, 1] and res.steps == 10 + 5
+
+
+def test_tight_cache_preempts_and_still_finishes() -> None:
+    trace = shared_trace(n_out=30)  # 84 prompt tokens take 6 pages; decoding to 113 needs 8
+    res = simulate(PagedKVAdapter("lru", compare_params(PS), 12), trace, SimConfig(max_num_seqs=8))
+    assert res.preemptions > 0 and len(res.first_admission_order) == 40
+    assert res.prefill_tokens_computed > res.first_prompt_tokens - res.first_hit_tokens  # recomputation
+
+
+def test_workloads_are_seeded_and_shaped_as_documented() -> None:
+    for name in WORKLOADS:
+        a, b = make_trace(name, 50), make_trace(name, 50)
+        assert all(np.array_equal(x.tokens, y.tokens) and x.after == y.after for x, y in zip(a, b, strict=True))
+        assert not np.array_equal(a[0].tokens, make_trace(name, 50, seed=1)[0].tokens)
+    turns = make_trace("multiturn", 200)
+    assert len(turns) == 200
+    for r in turns[1:5]:  # the first conversation: each turn extends the previous turn's whole context
+        prev = turns[r.after]  # type: ignore[index]
+        assert r.prompt_len == len(prev.tokens) + 90 and np.array_equal(r.tokens[: len(prev.tokens)], prev.tokens)
+    assert turns[32 * 5].after == turns[4].rid  # conversation 32 starts when conversation 0 ends
+    assert [len(r.tokens) for r in make_trace("docqa", 3)] == [3990 + 30 + 64] * 3
+    assert ideal_hit_rates(make_trace("nosharing", 20), PS) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="workload='chat' must be one of"):
+        make_trace("chat", 10)
+
+
+def test_token_granular_ideal_counts_the_matching_part_of_the_next_page() -> None:
+    base = np.arange(1000, 1040, dtype=np.int32)
+    a = req(0, base, 1)  # computes 40 tokens (its only output is never computed)
+    b = req(1, np.concatenate([base[:37], np.array([5, 6, 7], dtype=np.int32)]), 1)  # shares 37 tokens
+    page, token = ideal_hit_rates([a, b], PS)
+    assert page == 32 / 80 and token == 37 / 80
+    assert unique_pages([a, b], PS) == 2 + 0  # b's 39 computed tokens: pages 0, 1 are a's
+
+
+def test_belady_evicts_the_page_needed_last_and_never_trails_lru() -> None:
+    trace = make_trace("zipf", 120)
+    pages = capacities(trace, PS, [0.1], 256)[0]
+    lru = simulate(PagedKVAdapter("lru", compare_params(PS), pages), trace)
+    bel = simulate(BeladyAdapter(compare_params(PS), pages, trace, lru.first_admission_order), trace)
+    assert bel.hit_rate >= lru.hit_rate > 0
+    oracle = bel_oracle = BeladyAdapter(compare_params(PS), pages, trace, lru.first_admission_order).oracle
+    key = oracle.prompt_keys[lru.first_admission_order[-1]][0]  # used by the last admission only at the end
+    assert bel_oracle.uses[key][-1] == len(trace) - 1
+
+
+def test_policy_verdict_picks_the_best_policy_that_never_loses_a_point() -> None:
+    def row(m: str, hit: float, cap: int) -> dict:
+        return {"workload": "w", "capacity_pages": cap, "manager": m, "hit_rate": hit}
+
+    rows = [row("pagedkv-lru", 0.50, 1), row("pagedkv-a", 0.60, 1), row("pagedkv-b", 0.52, 1),
+            row("pagedkv-lru", 0.50, 2), row("pagedkv-a", 0.48, 2), row("pagedkv-b", 0.505, 2)]  # fmt: skip
+    verdict = policy_verdict({"rows": rows})
+    assert verdict["winner"] == "pagedkv-b"  # a gains more on average but loses 2 points at capacity 2
+    assert verdict["policies"]["pagedkv-a"]["worst"] == pytest.approx(-0.02)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib (extra pagedkv[bench])")
+def test_run_compare_writes_tables_and_plots(tmp_path: Path) -> None:
+    result = run_compare(["fewshot"], 40, fractions=[0.3, 1.0], peers=["vllm"], floor_pages=64)
+    managers = {r["manager"] for r in result["rows"]}
+    if importlib.util.find_spec("vllm") is None:
+        assert "vllm" in result["skipped"] and "vllm" not in managers  # reported, not faked
+    assert {"pagedkv-lru", "pagedkv-slru", "pagedkv-lfu", "pagedkv-lru-leaves", "belady"} <= managers
+    caps = sorted({r["capacity_pages"] for r in result["rows"]})
+    assert len(caps) == 2 and caps[-1] == unique_pages(make_trace("fewshot", 40), PS)
+    top = {r["manager"]: r for r in result["rows"] if r["capacity_pages"] == caps[-1]}
+    assert 0 < top["pagedkv-lru"]["hit_rate"] <= result["ideal"]["fewshot"]["page"]  # (same-step misses)
+    text = format_markdown(result)
+    assert "| fewshot |" in text and "Winner" in text and "pagedkv_sha256" in text
+    paths = write_plots(result, tmp_path)
+    assert [p.name for p in paths] == ["hit_rate_fewshot.png", "bookkeeping_us.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_cli_compare_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "compare.json"
+    argv = ["bench", "compare", "--workloads", "nosharing", "--requests", "20", "--fractions", "1.0",
+            "--peers", "", "--policies", "pagedkv-lru", "--no-belady", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert [r["manager"] for r in data["rows"]] == ["pagedkv-lru"] and data["rows"][0]["hit_rate"] == 0.0
+    assert "| nosharing |" in capsys.readouterr().out
