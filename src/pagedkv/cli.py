@@ -12,6 +12,16 @@ from typing import Any
 __all__ = ["main"]
 
 
+POLICY_NAMES = (
+    "pagedkv-lru-step",
+    "pagedkv-lru",
+    "pagedkv-slru",
+    "pagedkv-lfu",
+    "pagedkv-lru-leaves",
+    "pagedkv-lfu-partial",
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--fractions", default="0.1,0.2,0.4,1.0",
                      help="capacities, as fractions of the pages an unbounded cache would hold")  # fmt: skip
     cmp.add_argument("--peers", default="vllm,sglang", help="peer managers to load ('' for none)")
-    cmp.add_argument("--policies", default="pagedkv-lru,pagedkv-slru,pagedkv-lfu,pagedkv-lru-leaves")
+    cmp.add_argument("--policies", default=",".join(POLICY_NAMES), help="pagedkv configurations (bench/compare/run.py)")
     cmp.add_argument("--no-belady", action="store_true")
     cmp.add_argument("--seed", type=int, default=0)
     cmp.add_argument("--json", type=Path, help="write every row to this JSON file")

@@ -36,6 +36,7 @@ _SHARED = (
     ("protected_fraction", "protected_fraction"),
     ("evict_leaves_first", "evict_leaves_first"),
     ("enable_partial_page_reuse", "enable_partial_page_reuse"),
+    ("commit_on_alloc", "commit_on_alloc"),
 )
 
 
@@ -141,6 +142,11 @@ class MultiKVCacheParams:
     def evict_leaves_first(self) -> bool:
         """Whether the shared pool evicts prefix-chain leaves first."""
         return self._first().evict_leaves_first
+
+    @property
+    def commit_on_alloc(self) -> bool:
+        """Pages become hittable at `alloc` rather than at `step` (shared)."""
+        return self._first().commit_on_alloc
 
     @property
     def enable_partial_page_reuse(self) -> bool:

@@ -107,6 +107,7 @@ class KVCacheParams:
     protected_fraction: float = 0.25  # pool share that may keep running requests' dropped window pages
     evict_leaves_first: bool = False  # never evict a page while its prefix-chain child stays cached
     enable_partial_page_reuse: bool = False  # copy a cached last partial page's matching tokens (copy-on-write)
+    commit_on_alloc: bool = False  # pages a step will fill are hittable from `alloc` (vLLM's schedule-time caching)
 
     def __post_init__(self) -> None:
         self._validate_scalars()
@@ -117,6 +118,8 @@ class KVCacheParams:
         self._validate_parallelism(len(devices))
         self._validate_connector()
         validate_partial_page_reuse(self)
+        if self.commit_on_alloc and not self.enable_prefix_caching:
+            raise ValueError("commit_on_alloc=True requires enable_prefix_caching=True")
         self._validate_quantization()
         validate_attention_kind(self)
         check_eviction(self.eviction_policy, self.protected_fraction, self.evict_leaves_first)
@@ -137,7 +140,7 @@ class KVCacheParams:
         check_int("num_eagle_speculative_tokens", self.num_eagle_speculative_tokens, 0)
         if self.num_q_heads is not None:
             check_int("num_q_heads", self.num_q_heads, 1)
-        for name in ("enable_prefix_caching", "is_mla", "enable_partial_page_reuse"):
+        for name in ("enable_prefix_caching", "is_mla", "enable_partial_page_reuse", "commit_on_alloc"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
 

@@ -90,7 +90,9 @@ class PrefixStampModel:
     ) -> None:
         ps, blocks = self.page_size, record.blocks  # [pages+1, kv_dim, L, ps, H, D]
         pool = self.manager._managers[replica].pool
-        for b, ctx in enumerate(batch):
+        same_step = bool(getattr(self.manager.params, "commit_on_alloc", False))
+        reads = []
+        for b, ctx in enumerate(batch):  # writes first: every layer stores the batch's KV before attention
             cached = int(record.cache_lengths[b])
             assert cached == ctx.tokens.processed_length
             end = ctx.tokens.current_position
@@ -98,11 +100,22 @@ class PrefixStampModel:
             lut = record.lookup_table[b].long()  # [cols]
             pos = torch.arange(end)  # [end]
             pages, slots = lut[pos // ps], pos % ps  # [end], [end]
+            assert not (pages[cached:] == pool.null_block).any(), f"{ctx.request_id!r}: an active position is null"
+            shared = [p for p in set(pages[cached:].tolist()) if pool.ref_count(p) != 1]
+            # (commit_on_alloc: a request admitted in this step may already share the pages this one fills)
+            assert same_step or not shared, f"{ctx.request_id!r} writes into shared pages {shared}"
+            active = values[cached:].view(-1, 1, 1, 1)  # [active, 1, 1, 1]
+            blocks[pages[cached:], 0, :, slots[cached:]] = active.expand(-1, *blocks.shape[2:3], *blocks.shape[4:])
+            if blocks.shape[1] == 2:
+                blocks[pages[cached:], 1, :, slots[cached:]] = (
+                    active.expand(-1, *blocks.shape[2:3], *blocks.shape[4:]) + 1
+                )
+            reads.append((ctx, cached, values, pages, slots, pos))
+        for ctx, cached, values, pages, slots, pos in reads:  # then every cached position a query reads
             read = _readable(pos[:cached], cached, policy)  # [cached] bool: positions a query of this step can see
             assert not (pages[:cached][read] == pool.null_block).any(), (
                 f"{ctx.request_id!r}: a readable position is null"
             )
-            assert not (pages[cached:] == pool.null_block).any(), f"{ctx.request_id!r}: an active position is null"
             got = blocks[pages[:cached][read], 0, :, slots[:cached][read]]  # [readable, L, H, D]
             want = values[:cached][read].view(-1, 1, 1, 1).expand_as(got)
             bad = (got != want).nonzero()
@@ -110,15 +123,6 @@ class PrefixStampModel:
             if blocks.shape[1] == 2:
                 got_v = blocks[pages[:cached][read], 1, :, slots[:cached][read]]  # [readable, L, H, D]
                 assert torch.equal(got_v, want + 1), f"{ctx.request_id!r}: V differs from K + 1"
-            written = set(pages[cached:].tolist())
-            shared = [p for p in written if pool.ref_count(p) != 1]
-            assert not shared, f"{ctx.request_id!r} writes into shared pages {shared}"
-            active = values[cached:].view(-1, 1, 1, 1)  # [active, 1, 1, 1]
-            blocks[pages[cached:], 0, :, slots[cached:]] = active.expand(-1, *blocks.shape[2:3], *blocks.shape[4:])
-            if blocks.shape[1] == 2:
-                blocks[pages[cached:], 1, :, slots[cached:]] = (
-                    active.expand(-1, *blocks.shape[2:3], *blocks.shape[4:]) + 1
-                )
             self.positions_checked += int(read.sum())
 
 

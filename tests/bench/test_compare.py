@@ -102,7 +102,7 @@ def test_policy_verdict_picks_the_best_policy_that_never_loses_a_point() -> None
 
     rows = [row("pagedkv-lru", 0.50, 1), row("pagedkv-a", 0.60, 1), row("pagedkv-b", 0.52, 1),
             row("pagedkv-lru", 0.50, 2), row("pagedkv-a", 0.48, 2), row("pagedkv-b", 0.505, 2)]  # fmt: skip
-    verdict = policy_verdict({"rows": rows})
+    verdict = policy_verdict({"rows": rows}, candidates=("pagedkv-a", "pagedkv-b"))
     assert verdict["winner"] == "pagedkv-b"  # a gains more on average but loses 2 points at capacity 2
     assert verdict["policies"]["pagedkv-a"]["worst"] == pytest.approx(-0.02)
 

@@ -187,3 +187,18 @@ ManagerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )  # fmt: skip
 TestManagerMachine = ManagerMachine.TestCase
+
+
+def test_one_token_prefill_chunk_is_not_a_decode_step() -> None:
+    """Found by the machine above: a hybrid request chunked to one prompt token and alloc'ed twice
+    took the decode fast path, which gave it the pages of a decode at its last token."""
+    params = layout_params("hybrid", page_size=2, enable_prefix_caching=False)
+    mgr = PagedKVCacheManager(params, 36, enable_runtime_checks=True, max_batch_size=4)
+    ctx = TextContext(0, np.arange(100, 117))
+    mgr.claim(0)
+    ctx.tokens.chunk(1)
+    mgr.alloc(ctx)
+    before = [mgr.get_req_blocks(0, group=g) for g in range(4)]
+    mgr.alloc(ctx)  # the same window again: nothing to add
+    assert [mgr.get_req_blocks(0, group=g) for g in range(4)] == before
+    mgr.check_integrity()

@@ -25,24 +25,22 @@ holds no uncommitted page (first admission, or after `ctx.reset()`).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
-from typing import Any
 
+from pagedkv.core.block_checks import check_block_manager
 from pagedkv.core.block_hooks import BlockHooks
 from pagedkv.core.block_pool import BlockPool
-from pagedkv.core.context import RequestID, Retention, TextContext, as_token_array
+from pagedkv.core.block_queries import BlockManagerQueries
+from pagedkv.core.context import RequestID, TextContext
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.errors import require as _require
 from pagedkv.core.hashing import BlockHash, PrefixHasher
-from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy, Partial, make_partial_pages
-from pagedkv.core.tables import BatchTables, RequestPages, build_tables
+from pagedkv.core.tables import RequestPages
 
 __all__ = ["BlockManager"]
 
 
-class BlockManager:
+class BlockManager(BlockManagerQueries):
     """Request page tables, prefix caching and metrics of one replica. Holds no tensors."""
 
     def __init__(
@@ -59,6 +57,7 @@ class BlockManager:
         protected_fraction: float = 0.25,
         evict_leaves_first: bool = False,
         partial_page_reuse: bool = False,
+        commit_on_alloc: bool = False,
     ) -> None:
         self.pool = BlockPool(num_blocks, enable_prefix_caching, num_groups, eviction_policy, protected_fraction,
                               evict_leaves_first)  # fmt: skip
@@ -72,6 +71,7 @@ class BlockManager:
         self._evictions_at_reset = 0
         self.hooks = BlockHooks()
         self._partial = make_partial_pages(partial_page_reuse, self.pool, page_size, self.hasher.root)
+        self.commit_on_alloc = commit_on_alloc and enable_prefix_caching
 
     # ------------------------------------------------------------------ lifecycle
     def claim(self, request_id: RequestID, *, dummy: bool = False) -> None:
@@ -90,6 +90,8 @@ class BlockManager:
         if st is None:
             raise ValueError(f"Attempted to release request ID {request_id!r} but it is not claimed")
         del self._reqs[request_id]
+        if st.unwritten >= 0:  # released between alloc and step: forget what was never written
+            self._unregister(st)
         if st.num_pages:
             self.pool.free(st.pages[st.num_pages - 1 :: -1].tolist())
         if self._partial is not None:
@@ -161,6 +163,17 @@ class BlockManager:
         if processed == 0:
             ctx.cached_prefix_length = tokens.processed_length
         self._input_tokens += tokens.active_length
+        pending = self._partial is not None and ctx.request_id in self._partial.pending
+        if self.commit_on_alloc and not pending:  # (a page being copied into commits at its step)
+            # vLLM's schedule-time caching: the pages this step fills become hittable now
+            run = (
+                tokens.active_length
+                if num_scheduled_tokens is None
+                else min(num_scheduled_tokens, tokens.active_length)
+            )
+            n = min(tokens.processed_length + run, len(tokens) - 1) // self.page_size
+            if n > st.committed:
+                self._commit(st, ctx, n, scheduled=True)
 
     def _from_tiers(self, st: RequestPages, ctx: TextContext) -> None:
         """Fill the new pages after the device hits from the tiers below; commit them as hits."""
@@ -193,25 +206,48 @@ class BlockManager:
                 continue
             tokens = ctx.tokens
             n_commit = min(tokens._processed, tokens._len - 1) // ps  # hot path: fields, not properties
+            if st.unwritten >= 0:  # pages committed at alloc are written now: announce them
+                first, st.unwritten = st.unwritten, -1
+                self._announce(st, ctx, first, st.committed)
             if n_commit > st.committed:
                 self._commit(st, ctx, n_commit)
 
-    def _commit(self, st: RequestPages, ctx: TextContext, n_commit: int) -> None:
+    def _commit(self, st: RequestPages, ctx: TextContext, n_commit: int, scheduled: bool = False) -> None:
+        """Commit pages [committed, n_commit). `scheduled`: at alloc, before their KV is written: a page
+        whose hash another page holds stops it (no merge), and `_announce` waits for `step`."""
         n_commit = min(n_commit, st.num_pages)
         if n_commit > len(st.hashes):
             keys, st.digest = self._more_hashes(st, ctx, n_commit)
             st.hashes.extend(keys)
-        commit, pages, hashes, first = self.pool.commit, st.pages, st.hashes, st.committed
-        for i in range(first, n_commit):
-            page = int(pages[i])
-            used = commit(page, hashes[i], 0, int(pages[i - 1]) if i else -1)
-            if used != page:
-                pages[i] = used
+        pages, hashes, first = st.pages, st.hashes, st.committed
+        if n_commit > first:
+            run = pages[first:n_commit].tolist()
+            used = self.pool.commit_run(run, hashes[first:n_commit], int(pages[first - 1]) if first else -1, scheduled)
+            n_commit = first + len(used)
+            if used != run[: len(used)]:  # cached copies of some of these prefix pages: share them
+                pages[first:n_commit] = used
         st.committed = max(first, n_commit)
-        if self._partial is not None:
-            self._partial.committed(st, ctx, first, n_commit)
         if ctx.retention is not None:
             self.pool.retain(pages[first:n_commit].tolist(), ctx.retention.priority, ctx.retention.duration_s)
+        if scheduled:
+            st.unwritten = first if st.unwritten < 0 else st.unwritten
+        else:
+            self._announce(st, ctx, first, n_commit)
+
+    def _unregister(self, st: RequestPages) -> None:
+        """Uncache the pages committed at alloc that no step wrote (those no other request took)."""
+        pool = self.pool
+        for i in range(st.unwritten, st.committed):
+            page = int(st.pages[i])
+            if pool.ref_count(page) == 1:
+                pool.forget(page)
+        st.unwritten = -1
+
+    def _announce(self, st: RequestPages, ctx: TextContext, first: int, n_commit: int) -> None:
+        """Tell the partial-page index, the tiers and the event listeners about written pages [first, n_commit)."""
+        hashes = st.hashes
+        if self._partial is not None:
+            self._partial.committed(st, ctx, first, n_commit)
         if n_commit > first and (self.hooks.offloads is not None or self.hooks.emit is not None):
             self.hooks.committed(hashes, first, n_commit, ctx.tokens.all, self.page_size)
 
@@ -262,87 +298,26 @@ class BlockManager:
         have = len(st.hashes)
         if n_pages <= have:
             return [], st.digest
-        parent = st.digest if have else self.hasher.root(ctx.cache_salt)
-        return self.hasher.extend(ctx.tokens.all, have, n_pages, parent)
+        if have or self.hasher.algo == "sha256_64":  # (sha256_64 keys are not their digests)
+            return self.hasher.extend(
+                ctx.tokens.all, have, n_pages, st.digest if have else self.hasher.root(ctx.cache_salt)
+            )
+        memo = ctx.key_cache  # a first lookup: this request's keys may be known from an earlier admission
+        if memo is None or memo[0] is not self.hasher:
+            memo = (self.hasher, [], self.hasher.root(ctx.cache_salt))
+        keys, digest = memo[1], memo[2]
+        if n_pages > len(keys):
+            more, digest = self.hasher.extend(ctx.tokens.all, len(keys), n_pages, digest)
+            keys = keys + more
+            ctx.key_cache = (self.hasher, keys, digest)
+        return keys[:n_pages], keys[n_pages - 1]  # type: ignore[return-value]
 
     def pages_needed(self, ctx: TextContext) -> tuple[int, int]:
         """(new pages, evictable hit pages) that `alloc(ctx)` would take from the free count."""
         hits, need, _, _, partial = self._plan(self._claimed(ctx.request_id), ctx)
         return max(need, 0), self.pool.count_unreferenced([*hits, *(partial[:1] if partial else ())])
 
-    def pin_prefix(self, tokens: Any, retention: Retention, cache_salt: str | None = None) -> int:
-        """Give the cached pages of the page-aligned prefix of `tokens` (as `cache_salt`'s chain) the
-        priority of `retention` (SGLang's pinned prefixes; priority 35 unpins). Returns pages found."""
-        array = as_token_array(tokens)
-        n = len(array) // self.page_size
-        keys, _ = self.hasher.extend(array, 0, n, self.hasher.root(cache_salt)) if n else ([], b"")
-        pages = self.pool.lookup(keys, 0, n)
-        self.pool.set_priority(pages, retention.priority, retention.duration_s)
-        return len(pages)
-
-    # ------------------------------------------------------------------ queries
-    def get_req_blocks(self, request_id: RequestID) -> list[int]:
-        """The page ids of `request_id` in logical order (``[null]`` for a dummy)."""
-        st = self._reqs.get(request_id)
-        if st is None:
-            raise ValueError(f"request {request_id!r} is not claimed")
-        return [self.pool.null_block] if st.dummy else st.pages[: st.num_pages].tolist()
-
-    def request_ids(self) -> list[RequestID]:
-        """Every claimed request id."""
-        return list(self._reqs)
-
-    @property
-    def metrics(self) -> KVCacheMetrics:
-        """Counters since the last `reset_metrics` and a snapshot of page usage."""
-        pool = self.pool
-        return KVCacheMetrics(
-            input_tokens=self._input_tokens,
-            cache_tokens=self._cache_tokens,
-            evictions=pool.num_evictions - self._evictions_at_reset,
-            used_pages=pool.num_used,
-            total_pages=pool.num_blocks,
-            cached_pages=pool.num_cached,
-        )
-
-    def reset_metrics(self) -> None:
-        """Zero the counters (page usage is a snapshot and stays)."""
-        self._input_tokens = self._cache_tokens = 0
-        self._evictions_at_reset = self.pool.num_evictions
-
-    def reset_prefix_cache(self) -> int:
-        """Drop every evictable cached page from the prefix cache; returns how many."""
-        return self.pool.reset_prefix_cache()
-
-    def build_tables(self, batch: list[TextContext], max_cache_length: int | None = None) -> BatchTables:
-        """Lookup table and cache lengths for `batch` (see `BatchTables`). No side effects.
-
-        Raises ValueError when a request is unknown, repeated, or lacks pages
-        (`alloc` first), or when `max_cache_length` is below what the batch needs.
-        """
-        return build_tables(self._reqs, batch, self.page_size, self.num_speculative_tokens, self.pool.null_block,
-                            max_cache_length)  # fmt: skip
-
     # ------------------------------------------------------------------ invariants
     def check_integrity(self) -> None:
-        """Raise `IntegrityError` unless pool, prefix cache and request tables agree."""
-        pool, null = self.pool, self.pool.null_block
-        holders: Counter[int] = Counter()
-        for rid, st in self._reqs.items():
-            pages = st.pages[: st.num_pages].tolist()
-            holders.update(pages)
-            _require(null not in pages, f"request {rid!r} holds the null page")
-            _require(not (st.dummy and pages), f"dummy request {rid!r} holds pages")
-            _require(
-                st.committed <= min(st.num_pages, len(st.hashes)),
-                f"request {rid!r}: committed={st.committed} exceeds its pages or hashes",
-            )
-            for i, page in enumerate(pages):
-                if i < st.committed:
-                    _require(pool.block_hash(page) == st.hashes[i], f"request {rid!r} page {i} ({page}) hash mismatch")
-                else:
-                    _require(pool.block_hash(page) is None, f"request {rid!r} uncommitted page {page} has a hash")
-                    _require(pool.ref_count(page) == 1, f"request {rid!r} private page {page} is shared")
-        if self._partial is not None:
-            self._partial.check(self._reqs, holders)  # + the pending copies' source references
-        pool.check_integrity(holders)
+        """Raise `IntegrityError` unless pool, prefix cache and request tables agree (see `block_checks`)."""
+        check_block_manager(self)

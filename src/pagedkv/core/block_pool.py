@@ -47,17 +47,18 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.evictor import MAX_PRIORITY, HeapOrder
+from pagedkv.core.evictor import HeapOrder
 from pagedkv.core.free_lists import LRU, NONE, PROBATION, PROTECTED, FreeLists
 from pagedkv.core.hashing import BlockHash
 from pagedkv.core.pool_checks import check_pool
 from pagedkv.core.pool_queries import PoolQueries
+from pagedkv.core.pool_retention import PoolRetention
 from pagedkv.validation import check_eviction, check_int
 
 __all__ = ["BlockPool"]
 
 
-class BlockPool(PoolQueries):
+class BlockPool(PoolQueries, PoolRetention):
     """Page ids, ref counts, pins and the hash -> page prefix caches of one replica.
 
     `eviction_policy`: "lru"; "slru" (segmented LRU: cached pages never reused since they were
@@ -167,12 +168,19 @@ class BlockPool(PoolQueries):
         self.num_evictions += n
         return pages
 
-    def _uncache(self, page: int) -> None:
+    def forget(self, page: int) -> None:
+        """Drop the hash of held `page` without a removal event: it was committed before its KV was
+        written (`commit_on_alloc`) and the write never happened, so no listener ever heard of it."""
+        if self._ref[page] < 1 or self._hash[page] is None:
+            raise ValueError(f"page {page} is not held and cached")
+        self._uncache(page, announce=False)
+
+    def _uncache(self, page: int, announce: bool = True) -> None:
         for hook in self.on_uncached:
             hook(page)
         if self._order is not None:
             self._order.forget(page)
-        if self.on_removed is not None:
+        if announce and self.on_removed is not None:
             self.on_removed(self._hash[page], self._group[page])  # type: ignore[arg-type]
         del self._caches[self._group[page]][self._hash[page]]  # type: ignore[arg-type]
         self._hash[page] = None
@@ -278,40 +286,25 @@ class BlockPool(PoolQueries):
             self.free((page,))
         return existing
 
-    def set_priority(self, pages: Iterable[int], priority: int, duration_s: float | None = None) -> None:
-        """Set the retention priority of cached `pages` (0..100, default 35; lower is evicted first) for
-        `duration_s` seconds of the pool clock (`_order.clock`; None: for as long as they stay cached)."""
-        check_int("priority", priority, 0)
-        if priority > MAX_PRIORITY:
-            raise ValueError(f"priority={priority} must be at most {MAX_PRIORITY}")
-        pages = list(pages)
-        for page in pages:
-            if self._hash[page] is None:
-                raise ValueError(f"page {page} is not cached: only cached pages take a retention priority")
-        order = self._keyed()
-        expires = None if duration_s is None else order.clock() + duration_s
-        for page in pages:
-            order.set_priority(page, priority, expires)
-
-    def retain(self, pages: Iterable[int], priority: int, duration_s: float | None) -> None:
-        """Raise the retention priority of cached `pages` to `priority` for `duration_s` seconds from
-        now (None: while cached); pages already at a higher priority keep theirs."""
-        order = self._keyed()
-        expires = None if duration_s is None else order.clock() + duration_s
-        current = order.priority
-        for page in pages:
-            if self._hash[page] is not None and current[page] <= priority:
-                order.set_priority(page, priority, expires)
-
-    def _keyed(self) -> HeapOrder:
-        """The keyed eviction order, built on first use from the lists' current order."""
-        if self._order is None:
-            order = HeapOrder(self.num_blocks, self._lists, self._reused, self._stamp, self.eviction_policy,
-                              self.leaves_first)  # fmt: skip
-            for page in [*self.list_pages(PROBATION), *self.list_pages(LRU)]:
-                order.listed(page)
-            self._order = order
-        return self._order
+    def commit_run(self, pages: list[int], keys: list[BlockHash], parent: int, stop_at_cached: bool) -> list[int]:
+        """`commit` pages[k] under keys[k] in group 0, each chained to the one before (`parent` first);
+        returns the pages to use. `stop_at_cached`: stop before the first key another page holds."""
+        cache, hashes, group, stamp, order = self._caches[0], self._hash, self._group, self._stamp, self._order
+        out: list[int] = []
+        for page, key in zip(pages, keys, strict=True):
+            if order is None and key not in cache:  # (inlined `commit`: this runs once per page)
+                cache[key] = page
+                hashes[page] = key
+                group[page] = 0
+                stamp[page] = self._next_stamp
+                self._next_stamp += 1
+            elif stop_at_cached and cache.get(key, page) != page:
+                break
+            else:
+                page = self.commit(page, key, 0, parent)
+            out.append(page)
+            parent = page
+        return out
 
     def reset_prefix_cache(self) -> int:
         """Forget every evictable unpinned cached page (they become fresh); returns how many.

@@ -189,7 +189,7 @@ class TextContext:
 
     __slots__ = (
         "request_id", "tokens", "max_length", "cache_salt", "cached_prefix_length", "cache_seq_id", "encoder_length",
-        "retention",
+        "retention", "key_cache",
     )  # fmt: skip
 
     def __init__(
@@ -215,6 +215,9 @@ class TextContext:
             raise ValueError(f"encoder_length={encoder_length!r} must be an int >= 0")
         self.encoder_length = encoder_length
         self.retention: Retention | None = None  # eviction priority of the pages this request caches
+        # (hasher, keys of the leading full pages, digest after them): a manager's memo of this request's
+        # prefix keys, kept across failed admissions and preemptions (tokens only ever grow)
+        self.key_cache: tuple[object, list[Any], bytes] | None = None
 
     def __repr__(self) -> str:
         return f"TextContext({self.request_id!r}, {self.tokens!r})"

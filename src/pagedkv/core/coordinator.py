@@ -100,13 +100,15 @@ class KVCacheCoordinator(PageSource, BlockManager):
         if (  # hot path: a decode step that needs no page and drops none
             st is not None
             and tokens._end - tokens._processed == 1
+            and tokens._end == tokens._len  # (a one-token prefill chunk is not a decode step)
             and tokens._len + self.num_speculative_tokens <= st.ready  # type: ignore[attr-defined]
             and tokens._processed < st.next_drop  # type: ignore[attr-defined]
         ):
             self._input_tokens += 1
             return
         hst: HybridRequest = self._claimed(ctx.request_id)  # type: ignore[assignment]
-        if tokens._end - tokens._processed == 1 and self._decode_step(hst, tokens._len, tokens._processed):
+        decoding = tokens._end - tokens._processed == 1 and tokens._end == tokens._len
+        if decoding and self._decode_step(hst, tokens._len, tokens._processed):
             return
         plan = self._plan_alloc(hst, ctx, num_scheduled_tokens)
         need = sum(plan.new)

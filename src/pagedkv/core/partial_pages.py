@@ -179,7 +179,7 @@ class PartialPages:
 
     def check(self, reqs: Mapping[RequestID, RequestPages], holders: Counter[int]) -> None:
         """Raise `IntegrityError` unless each pending copy targets its request's page ``committed``
-        (uncommitted) from a cached source, and the index holds exactly the cached pages. Adds the
+        (uncommitted) from a cached source, and the index holds exactly the cached, written pages. Adds the
         source references to `holders`."""
         pool, ps = self.pool, self.page_size
         for rid, (src, dst, n) in self.pending.items():
@@ -194,6 +194,9 @@ class PartialPages:
             _require(pool.block_hash(src) is not None, f"{where}: src is not cached")
             holders[src] += 1
         cached = {p for p in range(pool.num_blocks) if pool.block_hash(p) is not None}
+        for st in reqs.values():  # committed at alloc, not written yet: indexed at their step (commit_on_alloc)
+            if st.unwritten >= 0:
+                cached.difference_update(st.pages[st.unwritten : st.committed].tolist())
         indexed = self.index.pages()
         _require(indexed == cached, f"child index pages {sorted(indexed ^ cached)} disagree with the prefix cache")
 

@@ -27,6 +27,7 @@ class RequestPages:
     hashes: list[BlockHash] = field(default_factory=list)  # keys of the hashed pages so far
     digest: bytes = b""  # chain digest after hashes[-1]
     dummy: bool = False
+    unwritten: int = -1  # commit_on_alloc: first page committed at alloc whose step has not run (-1: none)
 
     def append(self, new_pages: Sequence[int]) -> None:
         """Add pages at the end of the table (the array grows by doubling)."""

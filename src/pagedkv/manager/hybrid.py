@@ -42,7 +42,8 @@ def group_names(params: KVCacheParamInterface) -> list[str]:
 def make_block_manager(params: KVCacheParamInterface, total_num_pages: int) -> BlockManager:
     """A `BlockManager` (all full attention) or a `KVCacheCoordinator` with one group per cache.
 
-    ValueError for ``enable_partial_page_reuse`` on a hybrid model (the coordinator does not support it)."""
+    ValueError for ``enable_partial_page_reuse`` or ``commit_on_alloc`` on a hybrid model (the coordinator
+    does not support them)."""
     kwargs: dict[str, Any] = dict(
         enable_prefix_caching=params.enable_prefix_caching, hash_algo=params.kv_hash_algo,
         hash_seed=params.kv_hash_seed, num_speculative_tokens=params.num_eagle_speculative_tokens,
@@ -51,10 +52,11 @@ def make_block_manager(params: KVCacheParamInterface, total_num_pages: int) -> B
     )  # fmt: skip
     if not is_hybrid(params):
         return BlockManager(total_num_pages, params.page_size, partial_page_reuse=params.enable_partial_page_reuse,
-                            **kwargs)  # fmt: skip
-    if params.enable_partial_page_reuse:
-        raise ValueError("enable_partial_page_reuse=True does not support hybrid models (several KV cache groups: "
-                         "sliding window, chunked, sinks or cross-attention caches)")  # fmt: skip
+                            commit_on_alloc=params.commit_on_alloc, **kwargs)  # fmt: skip
+    for flag in ("enable_partial_page_reuse", "commit_on_alloc"):
+        if getattr(params, flag):
+            raise ValueError(f"{flag}=True does not support hybrid models (several KV cache groups: "
+                             "sliding window, chunked, sinks or cross-attention caches)")  # fmt: skip
     group_names(params)  # validates the shape of the tree
     groups = [manager_for(leaf.attention_kind, g, params.page_size, leaf) for g, leaf in enumerate(params.leaves())]
     return KVCacheCoordinator(total_num_pages, params.page_size, groups, **kwargs)

@@ -52,7 +52,7 @@ class PagedKVAdapter:
             ctx = req.handle = TextContext(req.rid, req.live_tokens)
         self.mgr.claim(req.rid)
         try:
-            self.mgr.alloc(ctx)
+            self.mgr.alloc(ctx, num_scheduled_tokens=budget)
         except InsufficientBlocksError:
             self.mgr.release(req.rid)
             return None
@@ -68,7 +68,7 @@ class PagedKVAdapter:
             if n < tokens.active_length:
                 tokens.chunk(n)
         try:
-            self.mgr.alloc(req.handle)
+            self.mgr.alloc(req.handle, num_scheduled_tokens=n)
         except InsufficientBlocksError:
             return False
         return True

@@ -26,13 +26,17 @@ def _managers(result: dict[str, Any]) -> list[str]:
     return list(seen)
 
 
-def policy_verdict(result: dict[str, Any], base: str = BASE, max_loss: float = 0.01) -> dict[str, Any]:
-    """Per pagedkv policy: worst and mean hit-rate difference to `base` over every cell; the winner is
+EVICTION = ("pagedkv-slru", "pagedkv-lfu", "pagedkv-lru-leaves")  # the policies that may replace LRU
+
+
+def policy_verdict(result: dict[str, Any], base: str = BASE, max_loss: float = 0.01,
+                   candidates: tuple[str, ...] = EVICTION) -> dict[str, Any]:  # fmt: skip
+    """Per candidate policy: worst and mean hit-rate difference to `base` over every cell; the winner is
     the policy with the best mean among those never worse than `base` by more than `max_loss`."""
     table = cells(result)
     stats: dict[str, dict[str, float]] = {}
     for name in _managers(result):
-        if not name.startswith("pagedkv-") or name == base:
+        if name not in candidates:
             continue
         diffs = [c[name]["hit_rate"] - c[base]["hit_rate"] for c in table.values() if name in c and base in c]
         if diffs:

@@ -29,11 +29,14 @@ from pagedkv.core.hashing import PrefixHasher
 __all__ = ["POLICIES", "run_compare", "hash_ns_per_token"]
 
 # name -> KVCacheParams overrides of pagedkv's configurations
+ON_ALLOC = {"commit_on_alloc": True}  # vLLM's schedule-time caching: same-step admissions share pages
 POLICIES: dict[str, dict[str, Any]] = {
-    "pagedkv-lru": {},
-    "pagedkv-slru": {"eviction_policy": "slru"},
-    "pagedkv-lfu": {"eviction_policy": "lfu"},
-    "pagedkv-lru-leaves": {"evict_leaves_first": True},
+    "pagedkv-lru-step": {},  # the defaults: pages hittable once their step ran
+    "pagedkv-lru": ON_ALLOC,
+    "pagedkv-slru": {"eviction_policy": "slru", **ON_ALLOC},
+    "pagedkv-lfu": {"eviction_policy": "lfu", **ON_ALLOC},
+    "pagedkv-lru-leaves": {"evict_leaves_first": True, **ON_ALLOC},
+    "pagedkv-lfu-partial": {"eviction_policy": "lfu", "enable_partial_page_reuse": True, **ON_ALLOC},
 }
 FRACTIONS = (0.1, 0.2, 0.4, 1.0)
 
