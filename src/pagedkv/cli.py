@@ -12,14 +12,8 @@ from typing import Any
 __all__ = ["main"]
 
 
-POLICY_NAMES = (
-    "pagedkv-lru-step",
-    "pagedkv-lru",
-    "pagedkv-slru",
-    "pagedkv-lfu",
-    "pagedkv-lru-leaves",
-    "pagedkv-lfu-partial",
-)
+POLICY_NAMES = ("pagedkv-lru-step", "pagedkv-lru", "pagedkv-slru", "pagedkv-lfu", "pagedkv-arc",
+                "pagedkv-lru-leaves", "pagedkv-arc-partial")  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--json", type=Path, help="write every row to this JSON file")
     cmp.add_argument("--markdown", type=Path, help="write the tables to this markdown file")
     cmp.add_argument("--plots", type=Path, help="write PNG plots into this directory")
+    cmp.add_argument("--from-json", type=Path, help="render the tables and plots of an earlier --json run")
     return parser
 
 
@@ -113,13 +108,16 @@ def _compare(args: argparse.Namespace) -> int:
         sys.stderr.write(f"\r\x1b[K[{bar:.<30}] {done}/{total} {line}")
         sys.stderr.flush()
 
-    result = run_compare(
-        workloads=[w for w in args.workloads.split(",") if w], num_requests=args.requests,
-        fractions=[float(f) for f in args.fractions.split(",") if f], peers=[p for p in args.peers.split(",") if p],
-        policies=[p for p in args.policies.split(",") if p], belady=not args.no_belady, seed=args.seed,
-        progress=progress,
-    )  # fmt: skip
-    sys.stderr.write("\n")
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+    else:
+        result = run_compare(
+            workloads=[w for w in args.workloads.split(",") if w], num_requests=args.requests,
+            fractions=[float(f) for f in args.fractions.split(",") if f],
+            peers=[p for p in args.peers.split(",") if p], policies=[p for p in args.policies.split(",") if p],
+            belady=not args.no_belady, seed=args.seed, progress=progress,
+        )  # fmt: skip
+        sys.stderr.write("\n")
     text = format_markdown(result)
     print(text)
     if args.json:

@@ -6,7 +6,7 @@ from typing import Any
 
 __all__ = ["EVICTION_POLICIES", "check_eviction", "check_int"]
 
-EVICTION_POLICIES = ("lru", "slru", "lfu")
+EVICTION_POLICIES = ("lru", "slru", "lfu", "arc")
 
 
 def check_int(name: str, value: Any, minimum: int) -> None:

@@ -11,10 +11,10 @@ import pytest
 
 from pagedkv.bench.compare.pagedkv_adapter import BeladyAdapter, PagedKVAdapter, compare_params
 from pagedkv.bench.compare.report import format_markdown, policy_verdict, write_plots
-from pagedkv.bench.compare.run import capacities, run_compare
+from pagedkv.bench.compare.run import POLICIES, capacities, run_compare
 from pagedkv.bench.compare.sim import SimConfig, SimRequest, simulate
 from pagedkv.bench.compare.traces import WORKLOADS, ideal_hit_rates, make_trace, unique_pages
-from pagedkv.cli import main
+from pagedkv.cli import POLICY_NAMES, main
 
 PS = 16
 
@@ -113,7 +113,7 @@ def test_run_compare_writes_tables_and_plots(tmp_path: Path) -> None:
     managers = {r["manager"] for r in result["rows"]}
     if importlib.util.find_spec("vllm") is None:
         assert "vllm" in result["skipped"] and "vllm" not in managers  # reported, not faked
-    assert {"pagedkv-lru", "pagedkv-slru", "pagedkv-lfu", "pagedkv-lru-leaves", "belady"} <= managers
+    assert {"pagedkv-lru", "pagedkv-slru", "pagedkv-lfu", "pagedkv-arc", "pagedkv-lru-leaves", "belady"} <= managers
     caps = sorted({r["capacity_pages"] for r in result["rows"]})
     assert len(caps) == 2 and caps[-1] == unique_pages(make_trace("fewshot", 40), PS)
     top = {r["manager"]: r for r in result["rows"] if r["capacity_pages"] == caps[-1]}
@@ -133,3 +133,9 @@ def test_cli_compare_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     data = json.loads(out.read_text())
     assert [r["manager"] for r in data["rows"]] == ["pagedkv-lru"] and data["rows"][0]["hit_rate"] == 0.0
     assert "| nosharing |" in capsys.readouterr().out
+    assert main(["bench", "compare", "--from-json", str(out)]) == 0  # re-render without replaying
+    assert "| nosharing | " in capsys.readouterr().out
+
+
+def test_cli_default_policies_are_the_benchmarks() -> None:
+    assert POLICY_NAMES == tuple(POLICIES)

@@ -24,6 +24,7 @@ TORCH_FREE = [
     "pagedkv.core.block_pool",
     "pagedkv.core.pool_queries",
     "pagedkv.core.evictor",
+    "pagedkv.core.arc",
     "pagedkv.core.pool_retention",
     "pagedkv.core.block_queries",
     "pagedkv.core.block_checks",

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from helpers import make_params
+from pagedkv.core.arc import ArcState
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.context import Retention, TextContext
 from pagedkv.dtype import DeviceRef
@@ -171,3 +172,34 @@ def test_pin_prefix_protects_and_unpins() -> None:
     assert serve(mgr, 6, system) == 4  # as with no pin: two pages of it were evicted
     with pytest.raises(ValueError, match=r"priority=101"):
         mgr.pin_prefix(system, 101)
+
+
+def test_arc_adapts_its_split_from_ghost_hits() -> None:
+    arc = ArcState(num_blocks=3)
+    assert arc.from_probation(2, 5)  # p = 0: probation (T1) goes first, as in SLRU
+    arc.evicted(b"t1-a", from_probation=True)
+    arc.evicted(b"t1-b", from_probation=True)
+    arc.evicted(b"t2-a", from_probation=False)
+    arc.missed(b"t1-a")  # T1 was too small: p += max(1, |B2| / |B1|) = max(1, 1 / 2)
+    assert arc.p == 1.0 and b"t1-a" not in arc.b1
+    assert not arc.from_probation(1, 5) and arc.from_probation(2, 5) and arc.from_probation(1, 0)
+    arc.missed(b"t2-a")  # T2 was too small: p -= max(1, |B1| / |B2|) = 1
+    assert arc.p == 0.0 and not arc.b2
+    arc.missed(b"never")  # no ghost: nothing changes
+    assert arc.p == 0.0
+    for k in range(5):  # ghosts are bounded by the pool size, oldest dropped
+        arc.evicted(bytes([k]), from_probation=True)
+    assert list(arc.b1) == [bytes([2]), bytes([3]), bytes([4])]
+
+
+def test_arc_pool_evicts_lru_pages_while_probation_is_within_its_target() -> None:
+    pool = cached_pool(4, eviction_policy="arc")
+    pool.free([0, 1, 2])  # probation: never reused
+    hit_twice(pool, 2)  # page 2 served hits: LRU (T2)
+    pool.free([3])
+    assert pool.arc is not None
+    pool.arc.p = 2.0  # T1 may hold two pages: it holds 3, so the next victim is T1's oldest
+    assert pool.allocate(1) == [0]
+    assert list(pool.arc.b1) == [b"h0"]
+    assert pool.allocate(1) == [2]  # T1 now holds 2 = p: T2's oldest goes
+    assert list(pool.arc.b2) == [b"h2"]

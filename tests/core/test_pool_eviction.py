@@ -126,7 +126,11 @@ def test_integrity_catches_pin_corruption() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"eviction_policy": "fifo"}, ValueError, r"eviction_policy='fifo' must be one of \('lru', 'slru', 'lfu'\)"),
+        (
+            {"eviction_policy": "fifo"},
+            ValueError,
+            r"eviction_policy='fifo' must be one of \('lru', 'slru', 'lfu', 'arc'\)",
+        ),
         ({"protected_fraction": 1.5}, ValueError, r"protected_fraction=1.5 must be in \[0, 1\]"),
         ({"protected_fraction": "half"}, TypeError, "protected_fraction='half' must be a float"),
     ],

@@ -53,7 +53,7 @@ class ManagerMachine(RuleBasedStateMachine):
         spec=st.sampled_from([0, 0, 2]),
         algo=st.sampled_from(["sha256", "sha256_64", "xxh3_128"]),
         layout=st.sampled_from(["mha", "mha-tp2", "mla-tp2", "swa", "hybrid", "hybrid-tp2"]),
-        policy=st.sampled_from(["lru", "slru", "lfu"]),
+        policy=st.sampled_from(["lru", "slru", "lfu", "arc"]),
         protect=st.sampled_from([0.0, 0.25, 1.0]),
         leaves=st.booleans(),
     )

@@ -29,7 +29,7 @@ class PartialReuseMachine(ManagerMachine):
         spec=st.sampled_from([0, 0, 2]),
         algo=st.sampled_from(["sha256", "sha256_64", "xxh3_128"]),
         layout=st.sampled_from(["mha", "mha-tp2", "mla-tp2"]),  # hybrid layouts refuse the flag
-        policy=st.sampled_from(["lru", "slru"]),
+        policy=st.sampled_from(["lru", "slru", "arc"]),
     )
     def partial_setup(self, page_size: int, num_pages: int, spec: int, algo: str, layout: str, policy: str) -> None:
         super().setup(page_size=page_size, num_pages=num_pages, caching=True, spec=spec, algo=algo, layout=layout,

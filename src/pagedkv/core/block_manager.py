@@ -143,6 +143,10 @@ class BlockManager(BlockManagerQueries):
         processed = tokens.processed_length
         # the tiers below are asked exactly when the device prefix cache was (see `_plan`)
         tier_lookup = self.enable_prefix_caching and tokens.active_length > 1 and st.num_pages == st.committed
+        arc = self.pool.arc
+        if arc is not None and new_keys and len(st.hashes) > st.committed + len(hits):  # (a lookup ran)
+            for key in st.hashes[st.committed + len(hits) :]:  # the pages it missed: ghost hits adapt ARC
+                arc.missed(key)
         if hits:
             self.pool.touch(hits)
             if ctx.retention is not None:

@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
+from pagedkv.core.arc import ArcState
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.evictor import HeapOrder
 from pagedkv.core.free_lists import LRU, NONE, PROBATION, PROTECTED, FreeLists
@@ -82,7 +83,8 @@ class BlockPool(PoolQueries, PoolRetention):
         check_int("num_groups", num_groups, 1)
         check_eviction(eviction_policy, protected_fraction, leaves_first)
         self.eviction_policy = eviction_policy
-        self._slru = eviction_policy == "slru"
+        self._slru = eviction_policy in ("slru", "arc")  # (ARC keeps SLRU's two lists, see `arc`)
+        self.arc = ArcState(num_blocks) if eviction_policy == "arc" else None
         n = num_blocks
         self.num_blocks = n
         self.null_block = n
@@ -159,9 +161,16 @@ class BlockPool(PoolQueries, PoolRetention):
     def _evict(self, n: int) -> list[int]:
         lists, count = self._lists, self._lists.count
         pages = []
-        order = self._order
+        order, arc = self._order, self.arc
         for _ in range(n):
-            page = order.victim() if order is not None else lists.head(PROBATION if count[PROBATION] else LRU)
+            if order is not None:
+                page = order.victim()
+            elif arc is not None:
+                t1 = arc.from_probation(count[PROBATION], count[LRU])
+                page = lists.head(PROBATION if t1 else LRU)
+                arc.evicted(self._hash[page], t1)  # type: ignore[arg-type]
+            else:
+                page = lists.head(PROBATION if count[PROBATION] else LRU)
             lists.unlink(page)
             self._uncache(page)
             pages.append(page)

@@ -49,6 +49,7 @@ class HeapOrder:
 
     def __init__(self, n: int, lists: FreeLists, reused: bytearray, stamps: array, policy: str,
                  leaves_first: bool, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        policy = "slru" if policy == "arc" else policy  # (keyed ARC: SLRU's order, no adaptive split)
         if policy not in KEYED_POLICIES:
             raise ValueError(f"eviction_policy={policy!r} must be one of {KEYED_POLICIES}")
         self.policy = policy

@@ -26,7 +26,7 @@ def _managers(result: dict[str, Any]) -> list[str]:
     return list(seen)
 
 
-EVICTION = ("pagedkv-slru", "pagedkv-lfu", "pagedkv-lru-leaves")  # the policies that may replace LRU
+EVICTION = ("pagedkv-slru", "pagedkv-lfu", "pagedkv-arc", "pagedkv-lru-leaves")  # the policies that may replace LRU
 
 
 def policy_verdict(result: dict[str, Any], base: str = BASE, max_loss: float = 0.01,
@@ -60,18 +60,17 @@ def format_markdown(result: dict[str, Any]) -> str:
         vals = " | ".join(f"{row[m]['prefill_tokens_computed']} / {row[m]['preemptions']}" if m in row else "-"
                           for m in managers)  # fmt: skip
         lines.append(f"| {w} | {pages} | {vals} |")
-    lines += ["", "### Bookkeeping µs per scheduled request-step (ratio pagedkv-lru / peer)", ""]
+    lines += ["", "### Bookkeeping µs per scheduled request-step; ratio and hit-rate points pagedkv-lru vs peer", ""]
     peers = [m for m in managers if not m.startswith("pagedkv") and m != "belady"]
     head = [*([BASE] if BASE in managers else []), *peers]
-    lines += [f"| workload | pages | {' | '.join(head)} | {' | '.join(f'/{p}' for p in peers)} |",
-              "|---" * (len(head) + len(peers) + 2) + "|"]  # fmt: skip
+    extra = [f"/{p}" for p in peers] + [f"Δhit vs {p}" for p in peers]
+    lines += [f"| workload | pages | {' | '.join(head + extra)} |", "|---" * (len(head) + len(extra) + 2) + "|"]
     for (w, pages), row in sorted(table.items()):
-        us = " | ".join(f"{row[m]['bookkeeping_us']:.2f}" if m in row else "-" for m in head)
-        ratios = " | ".join(
-            f"{row[BASE]['bookkeeping_us'] / row[p]['bookkeeping_us']:.2f}" if p in row and BASE in row else "-"
-            for p in peers
-        )
-        lines.append(f"| {w} | {pages} | {us} | {ratios} |")
+        us = [f"{row[m]['bookkeeping_us']:.2f}" if m in row else "-" for m in head]
+        both = [p if p in row and BASE in row else None for p in peers]
+        ratios = [f"{row[BASE]['bookkeeping_us'] / row[p]['bookkeeping_us']:.2f}" if p else "-" for p in both]
+        deltas = [f"{100 * (row[BASE]['hit_rate'] - row[p]['hit_rate']):+.2f}" if p else "-" for p in both]
+        lines.append(f"| {w} | {pages} | {' | '.join(us + ratios + deltas)} |")
     lines += ["", "### Prompt hashing, ns per token", ""]
     names = sorted({k for h in result["hashing"].values() for k in h})
     lines += [f"| workload | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]

@@ -35,8 +35,9 @@ POLICIES: dict[str, dict[str, Any]] = {
     "pagedkv-lru": ON_ALLOC,
     "pagedkv-slru": {"eviction_policy": "slru", **ON_ALLOC},
     "pagedkv-lfu": {"eviction_policy": "lfu", **ON_ALLOC},
+    "pagedkv-arc": {"eviction_policy": "arc", **ON_ALLOC},
     "pagedkv-lru-leaves": {"evict_leaves_first": True, **ON_ALLOC},
-    "pagedkv-lfu-partial": {"eviction_policy": "lfu", "enable_partial_page_reuse": True, **ON_ALLOC},
+    "pagedkv-arc-partial": {"eviction_policy": "arc", "enable_partial_page_reuse": True, **ON_ALLOC},
 }
 FRACTIONS = (0.1, 0.2, 0.4, 1.0)
 
