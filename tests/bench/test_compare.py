@@ -89,11 +89,11 @@ def test_belady_evicts_the_page_needed_last_and_never_trails_lru() -> None:
     trace = make_trace("zipf", 120)
     pages = capacities(trace, PS, [0.1], 256)[0]
     lru = simulate(PagedKVAdapter("lru", compare_params(PS), pages), trace)
-    bel = simulate(BeladyAdapter(compare_params(PS), pages, trace, lru.first_admission_order), trace)
+    belady = BeladyAdapter(compare_params(PS), pages, trace, lru.first_admission_order)
+    bel = simulate(belady, trace)
     assert bel.hit_rate >= lru.hit_rate > 0
-    oracle = bel_oracle = BeladyAdapter(compare_params(PS), pages, trace, lru.first_admission_order).oracle
-    key = oracle.prompt_keys[lru.first_admission_order[-1]][0]  # used by the last admission only at the end
-    assert bel_oracle.uses[key][-1] == len(trace) - 1
+    key = belady.oracle.prompt_keys[lru.first_admission_order[-1]][0]  # the last admission's first page
+    assert belady.oracle.uses[key][-1] == len(trace) - 1
 
 
 def test_policy_verdict_picks_the_best_policy_that_never_loses_a_point() -> None:

@@ -102,7 +102,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.allocated.add(c.request_id)
         except InsufficientBlocksError:
             assert snapshot(self.bm, c) == before, "a failed alloc changed state"
-            if data.draw(st.booleans()):  # preempt: give the pages back and start over later
+            if self._may_preempt(c) and data.draw(st.booleans()):  # preempt: give the pages back, start over later
                 self.mgr.release(c.request_id)
                 self.allocated.discard(c.request_id)
                 c.reset()
@@ -143,10 +143,18 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr.step([batch])
         self.ops += 1 + len(batch)
 
-    @precondition(lambda self: self.live)
+    def _may_preempt(self, c: TextContext) -> bool:
+        """Whether `c` may be released after a failed alloc (subclasses with a stricter contract say no)."""
+        return True
+
+    def _releasable(self) -> list[int]:
+        """Requests the `release` rule may pick."""
+        return sorted(self.live)
+
+    @precondition(lambda self: self._releasable())
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.live)))
+        rid = data.draw(st.sampled_from(self._releasable()))
         self.mgr.release(rid)
         self.allocated.discard(rid)
         del self.live[rid]

@@ -13,35 +13,21 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 from test_stateful_partial import PartialReuseMachine
 
-from helpers import snapshot
-from pagedkv.core.errors import InsufficientBlocksError
+from pagedkv.core.context import TextContext
 
 
 class CommitOnAllocMachine(PartialReuseMachine):
     extra_params: dict[str, object] = {"enable_partial_page_reuse": True, "commit_on_alloc": True}
 
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def alloc(self, data: st.DataObject) -> None:
-        c = data.draw(st.sampled_from(sorted(self.live.values(), key=lambda x: x.request_id)))
-        before = snapshot(self.bm, c)
-        try:
-            self.mgr.alloc(c)
-            self.allocated.add(c.request_id)
-        except InsufficientBlocksError:
-            assert snapshot(self.bm, c) == before, "a failed alloc changed state"
-        self.ops += 1
+    def _may_preempt(self, c: TextContext) -> bool:
+        return c.request_id not in self.allocated  # (a request alloc'ed this step runs before it is released)
 
     @rule(data=st.data())
     def forward(self, data: st.DataObject) -> None:
         self._run(self._ready(), data)  # the contract: everything alloc'ed runs together
 
-    @precondition(lambda self: set(self.live) - self.allocated)
-    @rule(data=st.data())
-    def release(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(set(self.live) - self.allocated)))
-        self.mgr.release(rid)
-        del self.live[rid]
+    def _releasable(self) -> list[int]:
+        return sorted(set(self.live) - self.allocated)
 
     @precondition(lambda self: self.live and not self.allocated)
     @rule(data=st.data())

@@ -143,10 +143,9 @@ class BlockManager(BlockManagerQueries):
         processed = tokens.processed_length
         # the tiers below are asked exactly when the device prefix cache was (see `_plan`)
         tier_lookup = self.enable_prefix_caching and tokens.active_length > 1 and st.num_pages == st.committed
-        arc = self.pool.arc
-        if arc is not None and new_keys and len(st.hashes) > st.committed + len(hits):  # (a lookup ran)
-            for key in st.hashes[st.committed + len(hits) :]:  # the pages it missed: ghost hits adapt ARC
-                arc.missed(key)
+        if self.pool.arc is not None and new_keys:  # a lookup ran: the pages it missed adapt ARC's split
+            for key in st.hashes[st.committed + len(hits) :]:
+                self.pool.arc.missed(key)
         if hits:
             self.pool.touch(hits)
             if ctx.retention is not None:
@@ -167,28 +166,28 @@ class BlockManager(BlockManagerQueries):
         if processed == 0:
             ctx.cached_prefix_length = tokens.processed_length
         self._input_tokens += tokens.active_length
-        pending = self._partial is not None and ctx.request_id in self._partial.pending
-        if self.commit_on_alloc and not pending:  # (a page being copied into commits at its step)
-            # vLLM's schedule-time caching: the pages this step fills become hittable now
-            run = (
-                tokens.active_length
-                if num_scheduled_tokens is None
-                else min(num_scheduled_tokens, tokens.active_length)
-            )
-            n = min(tokens.processed_length + run, len(tokens) - 1) // self.page_size
-            if n > st.committed:
-                self._commit(st, ctx, n, scheduled=True)
+        if self.commit_on_alloc:
+            self._commit_scheduled(st, ctx, num_scheduled_tokens)
+
+    def _commit_scheduled(self, st: RequestPages, ctx: TextContext, num_scheduled_tokens: int | None) -> None:
+        """vLLM's schedule-time caching: commit the full pages this step's chunk will write, so requests
+        admitted after this one in the same step hit them (not while a page copy into them is pending)."""
+        if self._partial is not None and ctx.request_id in self._partial.pending:
+            return
+        tokens = ctx.tokens
+        run = tokens.active_length if num_scheduled_tokens is None else min(num_scheduled_tokens, tokens.active_length)
+        n = min(tokens.processed_length + run, len(tokens) - 1) // self.page_size
+        if n > st.committed:
+            self._commit(st, ctx, n, scheduled=True)
 
     def _from_tiers(self, st: RequestPages, ctx: TextContext) -> None:
         """Fill the new pages after the device hits from the tiers below; commit them as hits."""
         first, keys = st.committed, st.hashes[st.committed :]
         pages = st.pages[first : first + len(keys)].tolist()
         n = self.hooks.loader(pages, keys) if keys and self.hooks.loader else 0
-        for i in range(n):
-            used = self.pool.commit(pages[i], keys[i], 0, int(st.pages[first + i - 1]) if first + i else -1)
-            if used != pages[i]:  # a copy of this prefix page is cached already: share it
-                st.pages[first + i] = used
         if n:
+            used = self.pool.commit_run(pages[:n], keys[:n], int(st.pages[first - 1]) if first else -1, False)
+            st.pages[first : first + n] = used  # (a page whose prefix is cached already is swapped for that copy)
             st.committed += n
             ctx.tokens.skip_processing(n * self.page_size)
             self._cache_tokens += n * self.page_size
