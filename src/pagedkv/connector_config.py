@@ -10,6 +10,7 @@ Pure Python, validated at construction. Which tiers run is `KVCacheParams.kv_con
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -21,8 +22,8 @@ __all__ = ["KVConnectorConfig"]
 def _check_positive(name: str, value: object, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a number > 0")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"{name}={value!r} must be a finite number > 0")
 
 
 def _check_str(name: str, value: object, allow_none: bool = True) -> None:
@@ -30,6 +31,18 @@ def _check_str(name: str, value: object, allow_none: bool = True) -> None:
         return
     if not isinstance(value, str):
         raise TypeError(f"{name}={value!r} must be a str")
+
+
+def _mac_key(key: object) -> bytes | None:
+    if key is None:
+        return None
+    if isinstance(key, str):
+        key = key.encode("utf-8")
+    if not isinstance(key, bytes | bytearray):
+        raise TypeError(f"tier_hmac_key of type {type(key).__name__} must be bytes, a str or None")
+    if len(key) < 16:
+        raise ValueError(f"tier_hmac_key has {len(key)} bytes; it needs at least 16")
+    return bytes(key)
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,13 @@ class KVConnectorConfig:
         redis_retry_s: after a Redis error, the tier is skipped for this long,
             then tried again (the engine keeps serving meanwhile).
         io_threads: threads doing disk and Redis transfers.
+        tier_hmac_key: a secret of at least 16 bytes (bytes, or a str taken as UTF-8) shared by the
+            engines of a deployment. Every page they write to disk or Redis is signed with
+            HMAC-SHA256, and every page they read must carry a valid signature: whoever can write
+            to the directory or the server but lacks the key cannot plant a page that is loaded.
+            Signed pages live in their own namespace (the key's presence is part of the layout
+            fingerprint), apart from unsigned ones. None: a checksum only (catches corruption,
+            not forgery).
     """
 
     model_id: str = ""
@@ -74,13 +94,17 @@ class KVConnectorConfig:
     redis_timeout_s: float = 1.0
     redis_retry_s: float = 5.0
     io_threads: int = 4
+    tier_hmac_key: bytes | str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tier_hmac_key", _mac_key(self.tier_hmac_key))
         for name in ("model_id", "redis_key_prefix"):
             _check_str(name, getattr(self, name), allow_none=False)
         for name in ("disk_offload_dir", "redis_url", "redis_username", "redis_password", "redis_ssl_ca_certs",
                      "redis_ssl_certfile", "redis_ssl_keyfile"):  # fmt: skip
             _check_str(name, getattr(self, name))
+        if self.disk_offload_dir == "":
+            raise ValueError("disk_offload_dir='' must name a directory (or be None)")
         _check_positive("disk_offload_max_gb", self.disk_offload_max_gb)
         _check_positive("redis_timeout_s", self.redis_timeout_s)
         _check_positive("redis_retry_s", self.redis_retry_s)
@@ -91,6 +115,12 @@ class KVConnectorConfig:
         if self.redis_url is not None and urlsplit(self.redis_url).scheme not in schemes:
             raise ValueError(f"redis_url={self.redis_url!r} must start with redis://, rediss://, unix://, "
                              "redis+cluster:// or rediss+cluster://")  # fmt: skip
+
+    @property
+    def mac_key(self) -> bytes | None:
+        """`tier_hmac_key` as bytes (None: pages are checksummed, not signed)."""
+        key = self.tier_hmac_key
+        return key if isinstance(key, bytes) else None
 
     @property
     def disk_max_bytes(self) -> int:

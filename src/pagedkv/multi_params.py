@@ -37,6 +37,7 @@ _SHARED = (
     ("evict_leaves_first", "evict_leaves_first"),
     ("enable_partial_page_reuse", "enable_partial_page_reuse"),
     ("commit_on_alloc", "commit_on_alloc"),
+    ("weights_version", "weights_version"),
 )
 
 
@@ -47,7 +48,9 @@ class MultiKVCacheParams:
     children: Mapping[str, KVCacheParams | MultiKVCacheParams]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.children, Mapping) or not self.children:
+        if not isinstance(self.children, Mapping):
+            raise TypeError(f"children must be a mapping name -> KVCacheParams, got {type(self.children).__name__}")
+        if not self.children:
             raise ValueError("MultiKVCacheParams requires at least one param")
         for name, child in self.children.items():
             if not isinstance(name, str):
@@ -142,6 +145,11 @@ class MultiKVCacheParams:
     def evict_leaves_first(self) -> bool:
         """Whether the shared pool evicts prefix-chain leaves first."""
         return self._first().evict_leaves_first
+
+    @property
+    def weights_version(self) -> str | None:
+        """The weights version every leaf's hash chains start from."""
+        return self._first().weights_version
 
     @property
     def commit_on_alloc(self) -> bool:

@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.dtype import DeviceRef, DType
-from pagedkv.params_checks import normalize_hash_seed, validate_attention_kind, validate_partial_page_reuse
+from pagedkv.params_checks import (
+    NONFINITE_KV,
+    check_weights_version,
+    normalize_hash_seed,
+    validate_attention_kind,
+    validate_partial_page_reuse,
+)
 from pagedkv.symbols import KVCacheInputSymbols, ragged_symbols
 from pagedkv.validation import check_eviction, check_int
 
@@ -108,6 +114,8 @@ class KVCacheParams:
     evict_leaves_first: bool = False  # never evict a page while its prefix-chain child stays cached
     enable_partial_page_reuse: bool = False  # copy a cached last partial page's matching tokens (copy-on-write)
     commit_on_alloc: bool = False  # pages a step will fill are hittable from `alloc` (vLLM's schedule-time caching)
+    weights_version: str | None = None  # folded into every hash chain's root (`set_weights_version` changes it live)
+    nonfinite_kv: str = "pass"  # NaN/inf in stored KV: "pass" (stored as is) or "reject" (ValueError, nothing stored)
 
     def __post_init__(self) -> None:
         self._validate_scalars()
@@ -125,7 +133,10 @@ class KVCacheParams:
         check_eviction(self.eviction_policy, self.protected_fraction, self.evict_leaves_first)
         if self.kv_hash_algo not in HASH_ALGOS:
             raise ValueError(f"kv_hash_algo={self.kv_hash_algo!r} must be one of {HASH_ALGOS}")
-        object.__setattr__(self, "kv_hash_seed", normalize_hash_seed(self.kv_hash_seed))
+        object.__setattr__(self, "kv_hash_seed", normalize_hash_seed(self.kv_hash_seed, resolve_default=True))
+        check_weights_version(self.weights_version)
+        if self.nonfinite_kv not in NONFINITE_KV:
+            raise ValueError(f"nonfinite_kv={self.nonfinite_kv!r} must be one of {NONFINITE_KV}")
         tp = self.tensor_parallel_degree
         per_device = 1 if self.is_mla else self.n_kv_heads // tp
         object.__setattr__(self, "n_kv_heads_per_device", per_device)

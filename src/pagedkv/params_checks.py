@@ -6,13 +6,36 @@ from typing import Any
 
 from pagedkv.validation import check_int
 
-__all__ = ["normalize_hash_seed", "validate_attention_kind", "validate_partial_page_reuse"]
+__all__ = [
+    "NONFINITE_KV",
+    "check_weights_version",
+    "normalize_hash_seed",
+    "validate_attention_kind",
+    "validate_partial_page_reuse",
+]
+
+NONFINITE_KV = ("pass", "reject")
 
 
-def normalize_hash_seed(seed: bytes | str | None) -> bytes | None:
-    """A 32-byte seed from bytes or 64 hex characters; None stays None."""
+def check_weights_version(version: object, name: str = "weights_version") -> None:
+    """None or a non-empty str of at most 1024 characters."""
+    if version is None:
+        return
+    if not isinstance(version, str):
+        raise TypeError(f"{name}={version!r} must be a str or None")
+    if not version or len(version) > 1024:
+        raise ValueError(f"{name} has {len(version)} characters; it must have 1 to 1024")
+
+
+def normalize_hash_seed(seed: bytes | str | None, resolve_default: bool = False) -> bytes | None:
+    """A 32-byte seed from bytes or 64 hex characters; None stays None, or with `resolve_default`
+    becomes the deployment's seed (`pagedkv.deployment_seed`)."""
     if seed is None:
-        return None
+        if not resolve_default:
+            return None
+        from pagedkv.deployment_seed import deployment_seed
+
+        return deployment_seed()
     if isinstance(seed, str):
         try:
             seed = bytes.fromhex(seed)

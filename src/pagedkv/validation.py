@@ -4,17 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["EVICTION_POLICIES", "check_eviction", "check_int"]
+__all__ = ["EVICTION_POLICIES", "INT32_MAX", "INT64_MAX", "check_eviction", "check_int"]
 
 EVICTION_POLICIES = ("lru", "slru", "lfu", "arc")
 
 
-def check_int(name: str, value: Any, minimum: int) -> None:
-    """Raise TypeError unless `value` is an int (bool excluded), ValueError if it is below `minimum`."""
+INT32_MAX = 2**31 - 1  # page ids, cache lengths and tokens are int32
+INT64_MAX = 2**63 - 1
+
+
+def check_int(name: str, value: Any, minimum: int, maximum: int = INT64_MAX) -> None:
+    """Raise TypeError unless `value` is an int (bool excluded), ValueError outside [`minimum`, `maximum`]
+    (by default int64's range: no size of pagedkv is larger)."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name}={value!r} must be an int")
     if value < minimum:
         raise ValueError(f"{name}={value} must be at least {minimum}")
+    if value > maximum:
+        raise ValueError(f"{name}={value} must be at most {maximum}")
 
 
 def check_eviction(eviction_policy: Any, protected_fraction: Any, leaves_first: Any = False) -> None:

@@ -140,7 +140,7 @@ def test_eviction_order_under_pressure() -> None:
 
 
 def drive_keys(bm: BlockManager, tokens: range) -> list:
-    return hash_tokens(list(tokens), bm.page_size)
+    return hash_tokens(list(tokens), bm.page_size, seed=bm.hasher.seed or bytes(32))  # (a bare BlockManager: zeros)
 
 
 def test_chunked_prefill_does_not_reuse_a_diverging_page() -> None:

@@ -10,12 +10,15 @@ import pytest
 import xxhash
 
 from pagedkv.core.hashing import PrefixHasher, hash_tokens, root_digest
+from pagedkv.deployment_seed import deployment_seed
 
 
 def reference_sha256_chain(
-    tokens: list[int], page: int, seed: bytes = bytes(32), salt: str | None = None
+    tokens: list[int], page: int, seed: bytes | None = None, salt: str | None = None
 ) -> list[bytes]:
-    """max.md section 6.2, written from its text: d_i = SHA256(SHA256(int32_le(page_i)) || d_{i-1})."""
+    """max.md section 6.2, written from its text: d_i = SHA256(SHA256(int32_le(page_i)) || d_{i-1});
+    the seed is the deployment's (hash_tokens' default) unless given."""
+    seed = seed or deployment_seed()
     parent = seed
     if salt:
         parent = bytes(a ^ b for a, b in zip(seed, hashlib.sha256(salt.encode()).digest(), strict=True))
@@ -93,7 +96,7 @@ def test_sha256_64_is_the_truncated_chain() -> None:
 def test_xxh3_128_chain() -> None:
     tokens = list(range(40))
     keys = hash_tokens(tokens, 8, algo="xxh3_128", cache_salt="t")
-    parent = root_digest(None, "t")[:16]
+    parent = root_digest(deployment_seed(), "t")[:16]
     expected = []
     for start in range(0, 32, 8):
         block = struct.pack("<8i", *tokens[start : start + 8])

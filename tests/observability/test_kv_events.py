@@ -127,9 +127,9 @@ def scripted_run(mgr: PagedKVCacheManager) -> None:
     mgr.reset_prefix_cache()
 
 
-def first_page_hash(algo: str, int_hashes: bool) -> Any:
-    """The wire hash of page (1, 2, 3, 4), whose digest is SHA256(SHA256(int32_le(page)) || 32 zero bytes)."""
-    digest = hashlib.sha256(hashlib.sha256(struct.pack("<4i", 1, 2, 3, 4)).digest() + bytes(32)).digest()
+def first_page_hash(algo: str, int_hashes: bool, seed: bytes) -> Any:
+    """The wire hash of page (1, 2, 3, 4), whose digest is SHA256(SHA256(int32_le(page)) || seed)."""
+    digest = hashlib.sha256(hashlib.sha256(struct.pack("<4i", 1, 2, 3, 4)).digest() + seed).digest()
     if algo == "sha256":  # the key is the digest
         return int.from_bytes(digest[24:], "big") if int_hashes else digest
     # sha256_64: the key is the first 8 digest bytes as a signed int
@@ -181,7 +181,7 @@ def test_subscriber_receives_a_scripted_run_in_order_without_gaps(algo: str, int
         stored = raw[1][0]
         assert list(stored) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
                                 "medium", "lora_name", "group_idx"]  # fmt: skip
-        assert stored["block_hashes"][0] == first_page_hash(algo, int_hashes)
+        assert stored["block_hashes"][0] == first_page_hash(algo, int_hashes, mgr.params.kv_hash_seed)
         assert (stored["parent_block_hash"], stored["token_ids"], stored["block_size"]) == (None, PROMPT[:12], 4)
         page3 = DECODER.decode(frames[2][2]).events[0]
         assert page3.token_ids == [13, 100, 101, 102] and page3.parent_block_hash == stored["block_hashes"][2]

@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 
 from pagedkv.core.hashing import hash_tokens
+from pagedkv.offload.format import HEADER_SIZE
 
 PROMPT = list(range(1, 30))  # 29 tokens, pages of 4: the first 7 pages are a shareable prefix
 ROW = 2 * 2 * 4 * 2 * 4 * 4  # K/V x layers x page x heads x head_dim x fp32 = 512 bytes
-FILE = 80 + ROW
+FILE = HEADER_SIZE + ROW
 
 
 def spec(directory: Path, **extra: Any) -> dict[str, Any]:
@@ -46,7 +47,7 @@ def test_corrupted_page_is_refused_counted_and_recomputed(tmp_path: Path, worker
     worker(spec(tmp_path))
     victim = page_file(tmp_path, 2)
     data = bytearray(victim.read_bytes())
-    data[80 + 100] ^= 0xFF  # one payload byte
+    data[HEADER_SIZE + 100] ^= 0xFF  # one payload byte
     victim.write_bytes(bytes(data))
     second = worker(spec(tmp_path))
     assert second["cached"] == [8]  # pages 0-1 from disk, page 2 refused, the rest recomputed

@@ -16,6 +16,7 @@ from test_redis_tier import PROMPT, config, connector, engine_process, manager, 
 
 from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.hashing import hash_tokens
+from pagedkv.offload.format import HEADER_SIZE
 from pagedkv.offload.redis_tier import RedisTier
 
 NAMES = "abcdefghij"
@@ -81,7 +82,7 @@ def test_engines_share_pages_and_a_corrupted_value_is_refused(shared_cluster: Re
     [(raw, name)] = [(c, n) for c in shared_cluster.clients() for n in c.keys(f"corrupt:*:{key.hex()}")]
     good = raw.get(name)
     assert 99 <= raw.ttl(name) <= 100
-    raw.setrange(name, 80 + 100, bytes([good[180] ^ 0xFF]))  # one payload byte
+    raw.setrange(name, HEADER_SIZE + 100, bytes([good[HEADER_SIZE + 100] ^ 0xFF]))  # one payload byte
     second = engine_process(cfg)
     assert second["cached"] == 8 and second["checked"] >= 8  # pages 0-1 from the cluster, 2 refused
     assert (second["refused"], second["pages_loaded"], second["pages_stored"], second["errors"]) == (1, 2, 1, 0)

@@ -24,6 +24,7 @@ from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.offload.connector import KVConnector
+from pagedkv.offload.format import HEADER_SIZE
 from pagedkv.params import KVCacheQuantizationConfig
 from pagedkv.testing import PrefixStampModel
 
@@ -107,7 +108,7 @@ def test_round_trip_is_bit_exact(redis_server: RedisServer, layout: str) -> None
     raw = redis_server.client()
     assert sorted(raw.keys("*")) == sorted(f"t:{conn.lower[0].fingerprint.hex()}:{k.hex()}".encode()
                                            for k in keys("a", "b", "c"))  # fmt: skip
-    assert {len(raw.get(n)) for n in raw.keys("*")} == {80 + row} and raw.ttl(raw.keys("*")[0]) == -1
+    assert {len(raw.get(n)) for n in raw.keys("*")} == {HEADER_SIZE + row} and raw.ttl(raw.keys("*")[0]) == -1
     conn.offload([2, 3], keys("a", "b"))  # already on the server: nothing is sent again
     conn.flush()
     assert mgr.tier_stats()["redis"]["pages_stored"] == 3
@@ -138,7 +139,7 @@ def test_corrupted_value_is_refused_deleted_and_recomputed(redis_server: RedisSe
     assert first["cached"] == 0 and first["pages_stored"] == 8
     raw, name = redis_server.client(), page_name(redis_server, 2)
     good = raw.get(name)
-    raw.setrange(name, 80 + 100, bytes([good[180] ^ 0xFF]))  # one payload byte
+    raw.setrange(name, HEADER_SIZE + 100, bytes([good[HEADER_SIZE + 100] ^ 0xFF]))  # one payload byte
     events: list[Any] = []
     second = engine_process(cfg, events)
     assert second["cached"] == 8 and second["checked"] >= 8  # pages 0-1 from Redis, 2 refused, the rest recomputed

@@ -6,11 +6,24 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from pagedkv.core.errors import require as _require
+from pagedkv.validation import INT32_MAX, check_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from pagedkv.core.block_manager import BlockManager
 
-__all__ = ["check_block_manager"]
+__all__ = ["check_block_manager", "check_manager_args"]
+
+
+def check_manager_args(page_size: object, caching: object, speculative: object, seed: object, *flags: object) -> None:
+    """TypeError / ValueError unless a `BlockManager`'s arguments are valid (before anything is built)."""
+    check_int("page_size", page_size, 1, INT32_MAX)
+    check_int("num_speculative_tokens", speculative, 0, INT32_MAX)
+    for name, flag in zip(("enable_prefix_caching", "evict_leaves_first", "partial_page_reuse", "commit_on_alloc"),
+                          (caching, *flags), strict=False):  # fmt: skip
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}={flag!r} must be a bool")
+    if seed is not None and (not isinstance(seed, bytes) or len(seed) != 32):
+        raise (ValueError if isinstance(seed, bytes) else TypeError)(f"hash_seed={seed!r} must be 32 bytes or None")
 
 
 def check_block_manager(bm: BlockManager) -> None:

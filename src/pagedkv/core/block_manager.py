@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pagedkv.core.block_checks import check_block_manager
+from pagedkv.core.block_checks import check_block_manager, check_manager_args
 from pagedkv.core.block_hooks import BlockHooks
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.block_queries import BlockManagerQueries
@@ -59,6 +59,8 @@ class BlockManager(BlockManagerQueries):
         partial_page_reuse: bool = False,
         commit_on_alloc: bool = False,
     ) -> None:
+        check_manager_args(page_size, enable_prefix_caching, num_speculative_tokens, hash_seed, evict_leaves_first,
+                           partial_page_reuse, commit_on_alloc)  # fmt: skip
         self.pool = BlockPool(num_blocks, enable_prefix_caching, num_groups, eviction_policy, protected_fraction,
                               evict_leaves_first)  # fmt: skip
         self.page_size = page_size
@@ -201,10 +203,12 @@ class BlockManager(BlockManagerQueries):
     def step_batch(self, batch: Iterable[TextContext]) -> None:
         """`step` for every context of `batch` (one call: this runs once per request per step)."""
         reqs, ps, caching = self._reqs, self.page_size, self.enable_prefix_caching
-        for ctx in batch:
-            st = reqs.get(ctx.request_id)
-            if st is None:
-                raise ValueError(f"request {ctx.request_id!r} is not claimed: call claim() first")
+        batch = batch if isinstance(batch, list | tuple) else list(batch)
+        try:
+            states = [reqs[ctx.request_id] for ctx in batch]  # every request is checked before any commit
+        except KeyError as missing:
+            raise ValueError(f"request {missing.args[0]!r} is not claimed: call claim() first") from None
+        for ctx, st in zip(batch, states, strict=True):
             if not caching or st.dummy:  # a dummy (padding) row has nothing to commit
                 continue
             tokens = ctx.tokens
@@ -306,13 +310,14 @@ class BlockManager(BlockManagerQueries):
                 ctx.tokens.all, have, n_pages, st.digest if have else self.hasher.root(ctx.cache_salt)
             )
         memo = ctx.key_cache  # a first lookup: this request's keys may be known from an earlier admission
-        if memo is None or memo[0] is not self.hasher:
-            memo = (self.hasher, [], self.hasher.root(ctx.cache_salt))
-        keys, digest = memo[1], memo[2]
+        root = self.hasher.root(ctx.cache_salt)  # (a memo from another root: another weights version)
+        if memo is None or memo[0] is not self.hasher or memo[1] != root:
+            memo = (self.hasher, root, [], root)
+        keys, digest = memo[2], memo[3]
         if n_pages > len(keys):
             more, digest = self.hasher.extend(ctx.tokens.all, len(keys), n_pages, digest)
             keys = keys + more
-            ctx.key_cache = (self.hasher, keys, digest)
+            ctx.key_cache = (self.hasher, root, keys, digest)
         return keys[:n_pages], keys[n_pages - 1]  # type: ignore[return-value]
 
     def pages_needed(self, ctx: TextContext) -> tuple[int, int]:

@@ -54,7 +54,7 @@ from pagedkv.core.hashing import BlockHash
 from pagedkv.core.pool_checks import check_pool
 from pagedkv.core.pool_queries import PoolQueries
 from pagedkv.core.pool_retention import PoolRetention
-from pagedkv.validation import check_eviction, check_int
+from pagedkv.validation import INT32_MAX, check_eviction, check_int
 
 __all__ = ["BlockPool"]
 
@@ -79,7 +79,7 @@ class BlockPool(PoolQueries, PoolRetention):
         protected_fraction: float = 0.25,
         leaves_first: bool = False,
     ) -> None:
-        check_int("num_blocks", num_blocks, 1)
+        check_int("num_blocks", num_blocks, 1, INT32_MAX - 1)  # page ids and the null page id are int32
         check_int("num_groups", num_groups, 1)
         check_eviction(eviction_policy, protected_fraction, leaves_first)
         self.eviction_policy = eviction_policy

@@ -29,6 +29,8 @@ class BlockManagerQueries:
         """Give the cached pages of the page-aligned prefix of `tokens` (as `cache_salt`'s chain) the
         priority of `retention` (SGLang's pinned prefixes; priority 35 unpins). Returns pages found."""
         array = as_token_array(tokens)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt={cache_salt!r} must be a str or None")
         n = len(array) // self.page_size
         keys, _ = self.hasher.extend(array, 0, n, self.hasher.root(cache_salt)) if n else ([], b"")
         pages = self.pool.lookup(keys, 0, n)

@@ -28,8 +28,13 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 def as_token_array(tokens: Any) -> np.ndarray:
     """`tokens` as a fresh int32 array; ValueError unless 1-D, non-empty and inside int32, TypeError unless integers."""
     array = np.asarray(tokens)
+    if array.ndim == 0:
+        raise TypeError(f"tokens must be a 1-D sequence of token ids, got {type(tokens).__name__}")
     if array.ndim != 1 or array.size == 0:
         raise ValueError(f"tokens must be a non-empty 1-D sequence, got shape {array.shape}")
+    if array.dtype == object and all(type(t) is int for t in array.tolist()):  # ints past int64
+        bad = next(t for t in array.tolist() if not _INT32_MIN <= t <= _INT32_MAX)
+        raise ValueError(f"token {bad} is outside int32 [{_INT32_MIN}, {_INT32_MAX}]")
     if not np.issubdtype(array.dtype, np.integer):
         raise TypeError(f"tokens must be integers, got dtype {array.dtype}")
     low, high = int(array.min()), int(array.max())
@@ -37,6 +42,15 @@ def as_token_array(tokens: Any) -> np.ndarray:
         bad = low if low < _INT32_MIN else high
         raise ValueError(f"token {bad} is outside int32 [{_INT32_MIN}, {_INT32_MAX}]")
     return array.astype(np.int32)
+
+
+def _count(method: str, n: Any) -> int:
+    """`n` as an int; TypeError unless an integer (bool excluded)."""
+    if type(n) is int:
+        return n
+    if isinstance(n, bool) or not isinstance(n, int | np.integer):
+        raise TypeError(f"{method}(n={n!r}): n must be an int")
+    return int(n)
 
 
 class TokenBuffer:
@@ -107,18 +121,21 @@ class TokenBuffer:
 
     def skip_processing(self, n: int) -> None:
         """Treat the first `n` active tokens as already cached; one must stay active."""
+        n = _count("skip_processing", n)
         if not 0 <= n < self.active_length:
             raise ValueError(f"skip_processing(n={n}) needs 0 <= n < active_length={self.active_length}")
         self._processed += n
 
     def rewind_processing(self, n: int) -> None:
         """Move `processed_length` back by `n` tokens (their KV must be recomputed)."""
+        n = _count("rewind_processing", n)
         if not 0 <= n <= self._processed:
             raise ValueError(f"rewind_processing(n={n}) needs 0 <= n <= processed_length={self._processed}")
         self._processed -= n
 
     def chunk(self, n: int) -> None:
         """Shrink the active window to its first `n` tokens (chunked prefill)."""
+        n = _count("chunk", n)
         if not 1 <= n < self.active_length:
             raise ValueError(f"chunk(n={n}) needs 1 <= n < active_length={self.active_length}")
         self._end = self._processed + n
@@ -200,24 +217,34 @@ class TextContext:
         cache_salt: str | None = None,
         encoder_length: int = 0,
     ) -> None:
-        hash(request_id)  # TypeError for unhashable ids
+        if request_id is None:
+            raise TypeError("request_id=None: a request needs a hashable id (str, int, ...)")
+        try:
+            hash(request_id)
+        except TypeError:
+            raise TypeError(f"request_id={request_id!r} must be hashable, got {type(request_id).__name__}") from None
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt={cache_salt!r} must be a str or None")
         self.tokens = TokenBuffer(tokens)
-        if max_length is not None and (not isinstance(max_length, int) or max_length < len(self.tokens)):
-            raise ValueError(f"max_length={max_length!r} must be an int >= the prompt length {len(self.tokens)}")
+        if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)):
+            raise TypeError(f"max_length={max_length!r} must be an int or None")
+        if max_length is not None and not len(self.tokens) <= max_length <= _INT32_MAX:
+            raise ValueError(f"max_length={max_length!r} must be an int >= the prompt length {len(self.tokens)} "
+                             f"and at most {_INT32_MAX}")  # fmt: skip
         self.request_id = request_id
         self.max_length = max_length
         self.cache_salt = cache_salt
         self.cached_prefix_length = 0
         self.cache_seq_id: int | None = None
-        if not isinstance(encoder_length, int) or isinstance(encoder_length, bool) or encoder_length < 0:
-            raise ValueError(f"encoder_length={encoder_length!r} must be an int >= 0")
+        if not isinstance(encoder_length, int) or isinstance(encoder_length, bool):
+            raise TypeError(f"encoder_length={encoder_length!r} must be an int")
+        if not 0 <= encoder_length <= _INT32_MAX:
+            raise ValueError(f"encoder_length={encoder_length!r} must be an int in [0, {_INT32_MAX}]")
         self.encoder_length = encoder_length
         self.retention: Retention | None = None  # eviction priority of the pages this request caches
-        # (hasher, keys of the leading full pages, digest after them): a manager's memo of this request's
-        # prefix keys, kept across failed admissions and preemptions (tokens only ever grow)
-        self.key_cache: tuple[object, list[Any], bytes] | None = None
+        # (hasher, chain root, keys of the leading full pages, digest after them): a manager's memo of this
+        # request's prefix keys, kept across failed admissions and preemptions (tokens only ever grow)
+        self.key_cache: tuple[object, bytes, list[Any], bytes] | None = None
 
     def __repr__(self) -> str:
         return f"TextContext({self.request_id!r}, {self.tokens!r})"

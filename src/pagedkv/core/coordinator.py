@@ -213,10 +213,12 @@ class KVCacheCoordinator(PageSource, BlockManager):
     def step_batch(self, batch: Iterable[TextContext]) -> None:
         """Commit every group's full written pages of each request (no-op without prefix caching)."""
         reqs, ps, caching = self._reqs, self.page_size, self.enable_prefix_caching
-        for ctx in batch:
-            st = reqs.get(ctx.request_id)
-            if st is None:
-                raise ValueError(f"request {ctx.request_id!r} is not claimed: call claim() first")
+        batch = batch if isinstance(batch, list | tuple) else list(batch)
+        try:
+            states = [reqs[ctx.request_id] for ctx in batch]  # every request is checked before any commit
+        except KeyError as missing:
+            raise ValueError(f"request {missing.args[0]!r} is not claimed: call claim() first") from None
+        for ctx, st in zip(batch, states, strict=True):
             if not caching or st.dummy:
                 continue
             tokens = ctx.tokens

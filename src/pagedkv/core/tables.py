@@ -10,7 +10,7 @@ import numpy as np
 
 from pagedkv.core.context import TextContext
 from pagedkv.core.hashing import BlockHash
-from pagedkv.validation import check_int
+from pagedkv.validation import INT32_MAX, check_int
 
 __all__ = ["RequestPages", "BatchTables", "assemble_tables", "build_tables", "check_batch", "lut_columns"]
 
@@ -107,7 +107,7 @@ def assemble_tables(
             )
     width = max((r for _, _, r in rows), default=0)
     if max_cache_length is not None:
-        check_int("max_cache_length", max_cache_length, 1)
+        check_int("max_cache_length", max_cache_length, 1, INT32_MAX)  # (cache lengths are int32)
         if -(-max_cache_length // page_size) < width:
             raise ValueError(f"max_cache_length={max_cache_length} is below the batch's {width} pages of {page_size}")
         width = -(-max_cache_length // page_size)

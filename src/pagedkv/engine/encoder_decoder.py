@@ -236,4 +236,4 @@ def _cross_query_lengths(inputs: RaggedKVCacheInputs, ctxs: list[TextContext]) -
     return RaggedKVCacheInputs(
         inputs.blocks, inputs.cache_lengths, inputs.lookup_table, max_lengths_table(longest_q, longest_kv),
         inputs.kv_scales,
-    )  # fmt: skip
+    ).with_policy(inputs.nonfinite_kv)  # fmt: skip

@@ -12,7 +12,7 @@ One step = schedule -> forward -> sample -> update -> commit -> release:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 
 from pagedkv.core.context import TextContext
 from pagedkv.dtype import DType
+from pagedkv.engine.checks import check_prompts, check_request
 from pagedkv.engine.request import Request
 from pagedkv.engine.sampling import SamplingParams, sample
 from pagedkv.engine.scheduler import Scheduler
@@ -28,6 +29,7 @@ from pagedkv.hf.attention import ATTENTION_NAME, ForwardContext, register
 from pagedkv.hf.config import kv_layout
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheQuantizationConfig
+from pagedkv.params_checks import check_weights_version
 from pagedkv.runtime.inputs import MultiKVCacheInputs
 
 __all__ = ["LLMEngine", "EngineStats"]
@@ -144,18 +146,22 @@ class LLMEngine:
         max_new_tokens: int,
         sampling: SamplingParams = GREEDY,
         stop_token_ids: Sequence[int] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> Request:
-        """Queue a prompt; returns its `Request` (filled in as the engine steps)."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
+        """Queue a prompt; returns its `Request` (filled in as the engine steps).
+
+        `cache_salt` (per tenant): requests with different salts never share a page, on device or in a tier.
+        """
+        tokens = check_request(self.model, self.manager, prompt, max_new_tokens, sampling, stop_token_ids, cache_salt)
         rid = self._next_id
         self._next_id += 1
         generator = None
         if not sampling.greedy and sampling.seed is not None:
             generator = torch.Generator().manual_seed(sampling.seed + rid)
         stops = self._default_stops() if stop_token_ids is None else stop_token_ids
-        ctx = TextContext(rid, np.asarray(prompt, dtype=np.int64))
-        request = Request(ctx, len(prompt), max_new_tokens, sampling, frozenset(stops), generator)
+        ctx = TextContext(rid, tokens, cache_salt=cache_salt)
+        request = Request(ctx, len(tokens), max_new_tokens, sampling, frozenset(stops), generator)
         self.scheduler.add(request)
         return request
 
@@ -176,13 +182,19 @@ class LLMEngine:
         sampling: SamplingParams = GREEDY,
         stop_token_ids: Sequence[int] | None = None,
         progress: Callable[[int, int], None] | None = None,
+        cache_salt: str | None = None,
     ) -> list[list[int]]:
         """Generate for every prompt (greedy unless `sampling` says otherwise); outputs in prompt order.
 
         Outputs stop after `max_new_tokens` or at a stop token (the model's
-        EOS by default), which is included, as in transformers' `generate`.
+        EOS by default), which is included, as in transformers' `generate`. Every prompt is checked
+        before any is queued (`pagedkv.engine.checks`).
         """
-        requests = [self.add_request(p, max_new_tokens, sampling, stop_token_ids) for p in prompts]
+        check_prompts(prompts)
+        for p in prompts:
+            check_request(self.model, self.manager, p, max_new_tokens, sampling, stop_token_ids, cache_salt, True)
+        requests = [self.add_request(p, max_new_tokens, sampling, stop_token_ids, cache_salt=cache_salt)
+                    for p in prompts]  # fmt: skip
         self.run(progress=progress)
         return [r.output for r in requests]
 
@@ -194,6 +206,33 @@ class LLMEngine:
             if progress:
                 progress(done, total)
         self.stats.wall_seconds += time.perf_counter() - start
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | None, version: str) -> int:
+        """Load new model weights and serve every later token from them, with no page of the old ones.
+
+        Args:
+            weights: a state dict with exactly the model's keys and shapes (None: the caller already
+                updated the model in place, e.g. by a collective broadcast).
+            version: the new weights version; folded into every hash chain's root from now on
+                (`PagedKVCacheManager.set_weights_version`), so no page computed with other weights
+                is a hit, on device or in any tier. No `reset_prefix_cache` is needed.
+
+        Running and swapped-out requests are released and recomputed from their tokens (their
+        KV was computed with the old weights). Returns how many. Validates everything first:
+        a mismatched state dict raises ValueError and changes nothing.
+        """
+        check_weights_version(version, "version")
+        if weights is not None:
+            own = self.model.state_dict()
+            missing, extra = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+            shapes = [k for k in own if k in weights and tuple(weights[k].shape) != tuple(own[k].shape)]
+            if missing or extra or shapes:
+                raise ValueError(f"weights do not match the model: missing {missing[:3]}, unexpected {extra[:3]}, "
+                                 f"wrong shape {shapes[:3]} (of {len(own)} tensors)")  # fmt: skip
+            with torch.no_grad():
+                self.model.load_state_dict(weights, strict=True)
+        self.manager.set_weights_version(version)
+        return self.scheduler.recompute_all()
 
     # ----------------------------------------------------------------- one step
     def step(self) -> list[Request]:

@@ -153,6 +153,22 @@ class Scheduler:
             return None
         return budget
 
+    def recompute_all(self) -> int:
+        """Drop the KV of every running and swapped-out request (released, context reset) so that all of
+        it is computed again; they wait, in their order, ahead of new requests. Returns how many."""
+        dropped = list(self.running)
+        for request in reversed(self.running):
+            self.manager.release(request.request_id)
+            request.ctx.reset()
+            self.waiting.appendleft(request)
+        self.running.clear()
+        for request in self.waiting:
+            if self.manager.is_swapped(request.request_id):
+                self.manager.release(request.request_id)  # gives the host rows back
+                request.ctx.reset()
+                dropped.append(request)
+        return len(dropped)
+
     def finish(self, request: Request) -> None:
         """Release a finished request's pages (after `step` committed them)."""
         self.running.remove(request)

@@ -236,7 +236,7 @@ def write_cross_kv(
     target = RaggedKVCacheInputs(
         inputs.blocks, torch.zeros_like(inputs.cache_lengths), inputs.lookup_table,
         max_lengths_table(longest, longest), inputs.kv_scales,
-    )  # fmt: skip
+    ).with_policy(inputs.nonfinite_kv)  # fmt: skip
     offsets = offsets.to(inputs.cache_lengths.device)
     metadata = PagedMetadata.build(target, offsets, num_tokens)  # causal: token i writes position i
     for i, layer in enumerate(_decoder(model).layers):

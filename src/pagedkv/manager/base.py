@@ -201,4 +201,4 @@ def _advance_ragged(inputs: RaggedKVCacheInputs, offsets: torch.Tensor) -> Ragge
         lookup_table=inputs.lookup_table,
         max_lengths=inputs.max_lengths[1:, :],
         kv_scales=inputs.kv_scales,
-    )
+    ).with_policy(inputs.nonfinite_kv)

@@ -84,7 +84,7 @@ class ContinuousBatchingKVCacheManager(KVCacheManager[T]):
                 lookup_table=lut.to(values.device, copy=True),
                 max_lengths=max_lengths,
                 kv_scales=s,
-            )
+            ).with_policy(self.params.nonfinite_kv)
             for values, s in zip(self.buffer.values, scales, strict=True)
         ]
 

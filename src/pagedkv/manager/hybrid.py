@@ -51,15 +51,19 @@ def make_block_manager(params: KVCacheParamInterface, total_num_pages: int) -> B
         evict_leaves_first=params.evict_leaves_first,
     )  # fmt: skip
     if not is_hybrid(params):
-        return BlockManager(total_num_pages, params.page_size, partial_page_reuse=params.enable_partial_page_reuse,
-                            commit_on_alloc=params.commit_on_alloc, **kwargs)  # fmt: skip
+        bm = BlockManager(total_num_pages, params.page_size, partial_page_reuse=params.enable_partial_page_reuse,
+                          commit_on_alloc=params.commit_on_alloc, **kwargs)  # fmt: skip
+        bm.hasher.set_version(params.weights_version)
+        return bm
     for flag in ("enable_partial_page_reuse", "commit_on_alloc"):
         if getattr(params, flag):
             raise ValueError(f"{flag}=True does not support hybrid models (several KV cache groups: "
                              "sliding window, chunked, sinks or cross-attention caches)")  # fmt: skip
     group_names(params)  # validates the shape of the tree
     groups = [manager_for(leaf.attention_kind, g, params.page_size, leaf) for g, leaf in enumerate(params.leaves())]
-    return KVCacheCoordinator(total_num_pages, params.page_size, groups, **kwargs)
+    coordinator = KVCacheCoordinator(total_num_pages, params.page_size, groups, **kwargs)
+    coordinator.hasher.set_version(params.weights_version)
+    return coordinator
 
 
 def allocate_buffers(params: KVCacheParamInterface, total_num_pages: int) -> list[Any]:
@@ -95,7 +99,8 @@ def hybrid_inputs(
                     lengths = shared
                 buf = _leaf_buffer(buffers[r], name, isinstance(params, KVCacheParams))
                 scales = buf.scales[s] if buf.scales else None
-                records[name].append(RaggedKVCacheInputs(buf.values[s], lengths, lut, max_lengths, scales))
+                record = RaggedKVCacheInputs(buf.values[s], lengths, lut, max_lengths, scales)
+                records[name].append(record.with_policy(leaf.nonfinite_kv))
     if isinstance(params, KVCacheParams):
         return KVCacheInputs(records["cache"])
     return MultiKVCacheInputs({name: KVCacheInputs(recs) for name, recs in records.items()})

@@ -29,20 +29,20 @@ from pagedkv.core.tables import BatchTables
 from pagedkv.dtype import DeviceRef
 from pagedkv.interface.bridge import params_from_kv_cache_config
 from pagedkv.interface.config import KVCacheConfig
-from pagedkv.manager import hybrid
+from pagedkv.manager import checks, hybrid
 from pagedkv.manager.page_copies import apply_page_copies
 from pagedkv.manager.swap import SwapAccess
 from pagedkv.manager.tiering import TierAccess, Tiering
+from pagedkv.manager.weights import WeightsAccess
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
-from pagedkv.params import KVCacheParams, KVConnectorType
+from pagedkv.params import KVConnectorType
 from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer
 from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs, max_lengths_table
-from pagedkv.validation import check_int
 
 __all__ = ["PagedKVCacheManager"]
 
 
-class PagedKVCacheManager(TierAccess, SwapAccess):
+class PagedKVCacheManager(TierAccess, SwapAccess, WeightsAccess):
     """Paged KV cache with prefix caching, one page pool per data-parallel replica.
 
     Args:
@@ -62,11 +62,7 @@ class PagedKVCacheManager(TierAccess, SwapAccess):
         *,
         max_batch_size: int,
     ) -> None:
-        if not isinstance(params, KVCacheParams | MultiKVCacheParams):
-            raise TypeError(f"params must be KVCacheParams or MultiKVCacheParams, got {type(params).__name__}")
-        check_int("total_num_pages", total_num_pages, 1)
-        check_int("total_num_host_pages", total_num_host_pages, 0)
-        check_int("max_batch_size", max_batch_size, 1)
+        checks.check_manager(params, total_num_pages, total_num_host_pages, enable_runtime_checks, max_batch_size)
         if total_num_host_pages and params.kv_connector in (None, KVConnectorType.null):
             raise ValueError(f"total_num_host_pages={total_num_host_pages} needs a local, tiered or redis kv_connector")
         self.params = params
@@ -130,12 +126,14 @@ class PagedKVCacheManager(TierAccess, SwapAccess):
     def claim(self, request_id: RequestID, replica_idx: int = 0) -> None:
         """Register `request_id` on a replica; no pages are taken yet."""
         bm = self._bm(replica_idx)
+        checks.check_claim(self._swapped, request_id, replica_idx)
         bm.claim(request_id)
         self._checked(bm)
 
     def alloc_dummy(self, request_id: RequestID, replica_idx: int = 0) -> None:
         """Claim a padding request whose table is the null page only (takes no page)."""
         bm = self._bm(replica_idx)
+        checks.check_claim(self._swapped, request_id, replica_idx)
         bm.claim(request_id, dummy=True)
         self._checked(bm)
 
@@ -154,13 +152,15 @@ class PagedKVCacheManager(TierAccess, SwapAccess):
         bm = self._managers[replica_idx] if type(replica_idx) is int and 0 <= replica_idx < self.num_replicas else None
         if bm is None:  # inlined `_bm`: this is the per-request hot path
             bm = self._bm(replica_idx)
+        if type(data) is not TextContext or num_scheduled_tokens is not None:  # (types and counts, before anything)
+            checks.check_alloc(data, num_scheduled_tokens)
         bm.alloc(data, num_scheduled_tokens)
         if self.enable_runtime_checks:
             bm.check_integrity()
 
     def step(self, batches: Sequence[Sequence[TextContext]]) -> None:
         """Commit the pages each request has written since the last step (one batch per replica)."""
-        self._check_batches(batches)
+        checks.check_step(self._managers, batches)  # every replica's batch, before any commit
         self.tiers.before_step()
         for bm, batch in zip(self._managers, batches, strict=True):
             bm.step_batch(batch)
@@ -170,6 +170,7 @@ class PagedKVCacheManager(TierAccess, SwapAccess):
     def release(self, request_id: RequestID, replica_idx: int = 0) -> None:
         """Forget `request_id` and free its pages (tail first; cached pages stay hittable)."""
         bm = self._bm(replica_idx)
+        checks.check_request_id(request_id)
         if not bm.contains(request_id) and self._drop_swapped(request_id, replica_idx):
             return
         bm.release(request_id)
@@ -211,8 +212,7 @@ class PagedKVCacheManager(TierAccess, SwapAccess):
 
     # ----------------------------------------------------------------- runtime inputs
     def _check_batches(self, batches: Sequence[Sequence[TextContext]]) -> None:
-        if len(batches) != self.num_replicas:
-            raise ValueError(f"got {len(batches)} batches; need one per replica ({self.num_replicas})")
+        checks.check_batches(batches, self.num_replicas)
 
     def runtime_inputs(
         self, batches: Sequence[Sequence[TextContext]], *, max_cache_length: int | None = None
@@ -263,7 +263,8 @@ class PagedKVCacheManager(TierAccess, SwapAccess):
         for r, s, lut, lengths, max_lengths in per_device:
             buf: KVCacheBuffer = buffers[r]
             scales = buf.scales[s] if buf.scales else None
-            records.append(RaggedKVCacheInputs(buf.values[s], lengths, lut, max_lengths, scales))
+            record = RaggedKVCacheInputs(buf.values[s], lengths, lut, max_lengths, scales)
+            records.append(record.with_policy(params.nonfinite_kv))
         return KVCacheInputs(records)
 
     def runtime_inputs_for_leaf(
@@ -283,10 +284,9 @@ class PagedKVCacheManager(TierAccess, SwapAccess):
     def get_req_blocks(self, request_id: RequestID, replica_idx: int = 0, group: int = 0) -> list[int]:
         """Page ids of the request in logical order (of `group`, for hybrid models; null where dropped)."""
         bm = self._bm(replica_idx)
+        checks.check_group(bm, group)
         if isinstance(bm, KVCacheCoordinator):
             return bm.get_req_blocks(request_id, group)
-        if group:
-            raise ValueError(f"group={group}: this model has one page table (group 0)")
         return bm.get_req_blocks(request_id)
 
     def num_free_blocks(self, replica_idx: int = 0) -> int:

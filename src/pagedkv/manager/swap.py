@@ -77,6 +77,8 @@ class SwapAccess:
         the tier. Raises `InsufficientBlocksError` (too few device pages) or `ValueError` (not
         swapped out) and then changes nothing."""
         bm = self._bm(replica_idx)
+        if not isinstance(ctx, TextContext):
+            raise TypeError(f"ctx must be a TextContext, got {type(ctx).__name__}")
         entry = self._swapped.get((replica_idx, ctx.request_id))
         if entry is None:
             raise ValueError(f"request {ctx.request_id!r} is not swapped out on replica {replica_idx}")

@@ -89,8 +89,10 @@ class KVConnector:
     # ----------------------------------------------------------------- load
     def load(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> int:
         """Fill `block_ids[i]` with page `hashes[i]` for the longest prefix the tiers hold; returns
-        its length. Never raises for a tier failure (that page and the rest count as misses)."""
-        keys = [key_bytes(h) for h in hashes[: len(block_ids)]]
+        its length. Never raises for a tier failure (that page and the rest count as misses); raises
+        ValueError / TypeError, changing nothing, for mismatched lengths, bad page ids or hashes."""
+        self._check_pages(block_ids, hashes)
+        keys = [key_bytes(h) for h in hashes]
         if not keys:
             return 0
         self.wait_for_offloads()  # a page offloaded this step must be in its row before it is read
@@ -126,6 +128,18 @@ class KVConnector:
             if self.host is not None:
                 self.host.stats.observe("load", time.perf_counter() - start)
         return len(slots)
+
+    def _check_pages(self, block_ids: Sequence[int], hashes: Sequence[BlockHash], parent: object = None) -> None:
+        """One device page id in [0, pages) per hash; hashes (and an offload's parent) are `BlockHash`es."""
+        if len(block_ids) != len(hashes):
+            raise ValueError(f"got {len(block_ids)} block_ids but {len(hashes)} hashes: they pair up one to one")
+        pages = self.mover.units[0].num_pages - 1  # (the last page is the null page)
+        for bid in block_ids:
+            if not isinstance(bid, int) or isinstance(bid, bool) or not 0 <= bid < pages:
+                raise ValueError(f"block id {bid!r} must be an int in [0, {pages}) (a device page)")
+        for h in (*hashes, *(() if parent is None else (parent,))):
+            if not isinstance(h, bytes | int) or isinstance(h, bool):
+                raise TypeError(f"hash {h!r} must be bytes or an int (a BlockHash)")
 
     def _host_hits(self, keys: list[bytes]) -> list[int]:
         """Host rows of the leading keys the host tier holds (pinned until copied)."""
@@ -197,8 +211,10 @@ class KVConnector:
     # ----------------------------------------------------------------- offload
     def offload(self, block_ids: Sequence[int], hashes: Sequence[BlockHash], parent: BlockHash | None = None) -> None:
         """Copy these committed device pages into the tiers, in the background (`wait_for_offloads`).
-        Pages the host tier has no free row for go straight to the lower tiers through a staging buffer."""
-        keys = [key_bytes(h) for h in hashes[: len(block_ids)]]
+        Pages the host tier has no free row for go straight to the lower tiers through a staging buffer.
+        Raises ValueError / TypeError, changing nothing, for mismatched lengths, bad page ids or hashes."""
+        self._check_pages(block_ids, hashes, parent)
+        keys = [key_bytes(h) for h in hashes]
         if not keys:
             return
         new_ids, new_keys, slots, evicted, staged_ids, staged_keys = [], [], [], [], [], []

@@ -28,12 +28,26 @@ from pathlib import Path
 
 from pagedkv.core.events import BlockRemoved, EventSink
 from pagedkv.core.tier_stats import TierStats
-from pagedkv.offload.format import HEADER_SIZE, check_page, decode_header, encode_header
+from pagedkv.offload.format import HEADER_SIZE, PageHeader, check_page, decode_header, encode_header
 from pagedkv.offload.tier import Done, LowerTier, OnceLogger
 
 __all__ = ["DiskTier"]
 
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW  # a planted file or link at the name is not written
+_READ = os.O_RDONLY | _NOFOLLOW  # a page that is a symbolic link is refused (ELOOP), never followed
+
+
+def _entries(path: str) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except OSError:
+        return []
+
+
+def _is_hex(text: str) -> bool:
+    return bool(text) and all(c in "0123456789abcdef" for c in text)
 
 
 class DiskTier(LowerTier):
@@ -44,7 +58,7 @@ class DiskTier(LowerTier):
 
     def __init__(
         self, directory: str | os.PathLike[str], row_bytes: int, max_bytes: int, fingerprint: bytes, hash_algo: str,
-        *, threads: int = 4, emit: EventSink | None = None,
+        *, threads: int = 4, emit: EventSink | None = None, mac_key: bytes | None = None,
     ) -> None:  # fmt: skip
         self.root = Path(directory) / fingerprint.hex()
         self.root.mkdir(parents=True, exist_ok=True)
@@ -53,6 +67,7 @@ class DiskTier(LowerTier):
         self.capacity = max(1, max_bytes // self.file_bytes)
         self.fingerprint = fingerprint
         self.hash_algo = hash_algo
+        self.mac_key = mac_key  # sign every write, require a signature on every read
         self.emit = emit
         self.stats = TierStats("disk")
         self._log = OnceLogger("disk")
@@ -75,19 +90,28 @@ class DiskTier(LowerTier):
         return f"{self._root}/{key[0]:02x}/{key.hex()}.page"
 
     def _scan(self) -> None:
-        """Rebuild the index from the files a previous process left (and drop unfinished ones)."""
+        """Rebuild the index from the files a previous process left (and drop unfinished ones).
+
+        Only names this tier writes are touched: two-hex-digit buckets, ``<hex>.page`` pages and
+        ``<hex>.<thread>.tmp`` leftovers; symbolic links (to a directory or file elsewhere) are
+        neither followed, indexed nor deleted, so nothing outside the directory is ever read or removed.
+        """
         found: list[tuple[float, bytes]] = []
-        for path in self.root.glob("*/*"):
-            if path.suffix != ".page":
-                path.unlink(missing_ok=True)  # an interrupted write's temporary file
+        for bucket in _entries(self._root):
+            if len(bucket.name) != 2 or not _is_hex(bucket.name) or not bucket.is_dir(follow_symlinks=False):
                 continue
-            try:
-                stat = path.stat()
-                key = bytes.fromhex(path.stem)
-            except (OSError, ValueError):
-                continue
-            if stat.st_size == self.file_bytes:
-                found.append((stat.st_mtime, key))
+            for entry in _entries(bucket.path):
+                stem, _, suffix = entry.name.partition(".")
+                if not _is_hex(stem) or not entry.is_file(follow_symlinks=False):
+                    continue
+                if suffix == "page":
+                    with contextlib.suppress(OSError):
+                        stat = entry.stat(follow_symlinks=False)
+                        if stat.st_size == self.file_bytes:
+                            found.append((stat.st_mtime, bytes.fromhex(stem)))
+                elif suffix.endswith(".tmp") and suffix[:-4].isdigit():
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)  # an interrupted write's temporary file
         for _, key in sorted(found):
             self._index[key] = None
 
@@ -140,26 +164,34 @@ class DiskTier(LowerTier):
         path = self._file(key)
         header = bytearray(HEADER_SIZE)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, _READ)
         except FileNotFoundError:
             return False
         except OSError as exc:
-            return self._read_failed(path, exc)
-        try:
-            got = _read_all(fd, [header, view]) - HEADER_SIZE  # one preadv for header and row
-        except OSError as exc:
-            return self._read_failed(path, exc)
-        finally:
-            os.close(fd)
-        decoded = decode_header(memoryview(header)) if got >= 0 else None
-        got = max(0, got)
-        reason = check_page(decoded, view[:got], key, self.fingerprint, self.hash_algo, self.row_bytes)
+            if exc.errno != errno.ELOOP:
+                return self._read_failed(path, exc)
+            decoded, got = None, 0  # a symbolic link planted at a page's name: refused and removed below
+        else:
+            decoded, got = self._read_fd(fd, header, view)
+        reason = check_page(decoded, view[:got], key, self.fingerprint, self.hash_algo, self.row_bytes, self.mac_key)
         if reason is None and got == self.row_bytes:
             return True
         self.stats.add(refused=1)
         self._log.error("refused", f"disk tier: refused {path}: {reason or 'short file'}; the page is recomputed")
         self._delete([key])
         return False
+
+    def _read_fd(self, fd: int, header: bytearray, view: memoryview) -> tuple[PageHeader | None, int]:
+        """(header, payload bytes read) of an open page file; closes `fd`."""
+        try:
+            got = _read_all(fd, [header, view]) - HEADER_SIZE  # one preadv for header and row
+        except OSError as exc:
+            self.stats.add(errors=1)
+            self._log.error("read", f"disk tier: reading a page failed ({exc}); the page is recomputed")
+            return None, 0
+        finally:
+            os.close(fd)
+        return (decode_header(memoryview(header)) if got >= 0 else None), max(0, got)
 
     def _read_failed(self, path: str, exc: OSError) -> bool:
         self.stats.add(errors=1)
@@ -200,7 +232,11 @@ class DiskTier(LowerTier):
         start = time.perf_counter()
         try:
             self._make_room()
-            header = encode_header(key, row, self.fingerprint, self.hash_algo)
+            header = encode_header(key, row, self.fingerprint, self.hash_algo, self.mac_key)
+            if os.path.islink(os.path.dirname(path)):
+                raise OSError(errno.ELOOP, "the bucket directory is a symbolic link; not written through it")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)  # a leftover of this thread's interrupted write (or something planted there)
             try:
                 fd = os.open(tmp, _CREATE, 0o644)
             except FileNotFoundError:  # the first page of this bucket (or its directory was removed)

@@ -41,14 +41,16 @@ def create_connector(
     kind = params.kv_connector
     config = params.kv_connector_config or KVConnectorConfig()
     mover = PageMover(buffer)
-    fingerprint = layout_fingerprint(describe_layout(params, mover), config.model_id)
+    signed = [("hmac-sha256",)] if config.mac_key is not None else []  # signed pages: their own namespace
+    fingerprint = layout_fingerprint(describe_layout(params, mover) + signed, config.model_id)
     lower: list[LowerTier] = []
     if kind is KVConnectorType.tiered:
         from pagedkv.offload.disk import DiskTier
 
         assert config.disk_offload_dir is not None  # checked by KVCacheParams
         lower.append(DiskTier(config.disk_offload_dir, mover.row_bytes, config.disk_max_bytes, fingerprint,
-                              params.kv_hash_algo, threads=config.io_threads, emit=emit))  # fmt: skip
+                              params.kv_hash_algo, threads=config.io_threads, emit=emit,
+                              mac_key=config.mac_key))  # fmt: skip
     elif kind is KVConnectorType.redis:
         from pagedkv.offload.redis_tier import RedisTier
 

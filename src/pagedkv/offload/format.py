@@ -1,27 +1,38 @@
-"""The stored page format of the disk and Redis tiers: an 80-byte header, then the page's bytes.
+"""The stored page format of the disk and Redis tiers: a 112-byte header, then the page's bytes.
 
     offset  size  field
     0       4     magic b"PKVP"
-    4       2     format version (1)
+    4       2     format version (2)
     6       1     prefix hash algorithm (1 sha256, 2 sha256_64, 3 xxh3_128)
-    7       1     checksum algorithm (1 crc32, 2 xxh3_64)
+    7       1     integrity algorithm (1 crc32, 2 xxh3_64, 3 HMAC-SHA256)
     8       1     key length (bytes of the content hash)
     9       3     zero
     12      16    layout fingerprint (`layout_fingerprint`)
     28      32    content hash, zero-padded
     60      8     payload length
-    68      8     payload checksum
-    76      4     zero
+    68      32    tag: the payload checksum (8 bytes, then zeros), or HMAC-SHA256 over
+                  bytes 0..67 of this header followed by the payload
+    100     12    zero
 
 All integers little-endian. The payload is the page's row: every cache's,
 every TP shard's values then scales, as `PageMover` lays it out. No pickle:
-a reader checks every field and the checksum before a byte reaches the KV
-cache (`check_page`), and refuses the page otherwise.
+a reader checks every field and the tag before a byte reaches the KV cache
+(`check_page`), and refuses the page otherwise.
+
+A checksum catches corruption (a torn write, a flipped bit, a truncated
+file), not forgery: whoever can write to a shared tier can compute it. With
+a key (`KVConnectorConfig.tier_hmac_key`) the tag is an HMAC over the header
+fields and the payload, so only holders of the key write pages that others
+load; a keyed reader refuses every unsigned or wrongly signed page, and the
+header binds the page to its content hash and layout, so a valid page copied
+under another key or into another layout is refused too.
+Version 1 pages (80-byte header, checksum only) are refused and recomputed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 import zlib
 from collections.abc import Callable, Sequence
@@ -36,14 +47,17 @@ __all__ = [
     "encode_header",
     "key_bytes",
     "layout_fingerprint",
+    "mac",
 ]
 
 MAGIC = b"PKVP"
-VERSION = 1
-_HEADER = struct.Struct("<4sHBBB3x16s32sQQ4x")
-HEADER_SIZE = _HEADER.size  # 80
+VERSION = 2
+_HEADER = struct.Struct("<4sHBBB3x16s32sQ32s12x")
+HEADER_SIZE = _HEADER.size  # 112
+_SIGNED = 68  # bytes of the header an HMAC covers (everything before the tag)
 HASH_ALGO_IDS = {"sha256": 1, "sha256_64": 2, "xxh3_128": 3}
-CRC32, XXH3_64 = 1, 2
+CRC32, XXH3_64, HMAC_SHA256 = 1, 2, 3
+MIN_MAC_KEY_BYTES = 16
 
 
 def _xxh3_64() -> Callable[[Any], int] | None:
@@ -93,34 +107,52 @@ class PageHeader:
     fingerprint: bytes
     key: bytes
     payload_length: int
-    checksum: int
+    tag: bytes
+    signed_part: bytes  # the header bytes an HMAC covers
+
+    @property
+    def checksum(self) -> int:
+        """The payload checksum (integrity algorithms crc32 and xxh3_64)."""
+        return int.from_bytes(self.tag[:8], "little")
 
 
-def encode_header(key: bytes, payload: Any, fingerprint: bytes, hash_algo: str) -> bytes:
-    """The header of `payload` (bytes-like) stored under `key`."""
+def mac(mac_key: bytes, signed_part: bytes, payload: Any) -> bytes:
+    """HMAC-SHA256 of a header's signed part followed by the payload."""
+    h = hmac.new(mac_key, signed_part, hashlib.sha256)
+    h.update(payload)
+    return h.digest()
+
+
+def encode_header(key: bytes, payload: Any, fingerprint: bytes, hash_algo: str, mac_key: bytes | None = None) -> bytes:
+    """The header of `payload` (bytes-like) stored under `key`: checksummed, or signed with `mac_key`."""
     if len(key) > 32 or len(fingerprint) != 16:
         raise ValueError(f"key of {len(key)} bytes (max 32) or fingerprint of {len(fingerprint)} (must be 16)")
     length = memoryview(payload).nbytes
-    return _HEADER.pack(
-        MAGIC, VERSION, HASH_ALGO_IDS[hash_algo], DEFAULT_CHECKSUM, len(key), fingerprint, key, length,
-        checksum(payload),
-    )  # fmt: skip
+    algo = DEFAULT_CHECKSUM if mac_key is None else HMAC_SHA256
+    fields = (MAGIC, VERSION, HASH_ALGO_IDS[hash_algo], algo, len(key), fingerprint, key, length)
+    if mac_key is None:
+        return _HEADER.pack(*fields, checksum(payload).to_bytes(8, "little"))
+    signed = _HEADER.pack(*fields, b"")[:_SIGNED]
+    return _HEADER.pack(*fields, mac(mac_key, signed, payload))
 
 
 def decode_header(raw: bytes | memoryview) -> PageHeader | None:
     """The header at the start of `raw`, or None when it is not one (short, or wrong magic)."""
     if len(raw) < HEADER_SIZE:
         return None
-    magic, version, algo, check, key_len, fingerprint, key, length, value = _HEADER.unpack_from(raw)
+    magic, version, algo, check, key_len, fingerprint, key, length, tag = _HEADER.unpack_from(raw)
     if magic != MAGIC or key_len > 32:
         return None
-    return PageHeader(version, algo, check, fingerprint, bytes(key[:key_len]), length, value)
+    signed = bytes(memoryview(raw)[:_SIGNED])
+    return PageHeader(version, algo, check, fingerprint, bytes(key[:key_len]), length, tag, signed)
 
 
 def check_page(
-    header: PageHeader | None, payload: Any, key: bytes, fingerprint: bytes, hash_algo: str, row_bytes: int
-) -> str | None:
-    """None when `payload` is the valid page `key` of this layout; otherwise why it is refused."""
+    header: PageHeader | None, payload: Any, key: bytes, fingerprint: bytes, hash_algo: str, row_bytes: int,
+    mac_key: bytes | None = None,
+) -> str | None:  # fmt: skip
+    """None when `payload` is the valid page `key` of this layout (signed with `mac_key` when one is
+    given); otherwise why it is refused."""
     if header is None:
         return "not a pagedkv page (bad magic or truncated header)"
     if header.version != VERSION:
@@ -135,8 +167,20 @@ def check_page(
         return (
             f"payload of {memoryview(payload).nbytes} bytes (header says {header.payload_length}), expected {row_bytes}"
         )
+    if mac_key is not None or header.checksum_algo == HMAC_SHA256:
+        return _check_mac(header, payload, mac_key)
     try:
         ok = checksum(payload, header.checksum_algo) == header.checksum
     except ValueError as exc:
         return str(exc)
     return None if ok else "checksum mismatch"
+
+
+def _check_mac(header: PageHeader, payload: Any, mac_key: bytes | None) -> str | None:
+    if mac_key is None:
+        return "the page is signed (HMAC) and this reader has no tier_hmac_key to check it"
+    if header.checksum_algo != HMAC_SHA256:
+        return "the page is not signed and this tier requires an HMAC (tier_hmac_key)"
+    if not hmac.compare_digest(mac(mac_key, header.signed_part, payload), header.tag):
+        return "HMAC mismatch (forged, corrupted, or signed with another key)"
+    return None

@@ -155,7 +155,8 @@ class RedisTier(LowerTier):
     def _accept(self, key: bytes, name: str, value: bytes, view: memoryview) -> bool:
         """Copy `value`'s row into `view` if it is the valid page `key`; otherwise refuse and delete it."""
         payload = memoryview(value)[HEADER_SIZE:]
-        reason = check_page(decode_header(value), payload, key, self.fingerprint, self.hash_algo, self.row_bytes)
+        reason = check_page(decode_header(value), payload, key, self.fingerprint, self.hash_algo, self.row_bytes,
+                            self.config.mac_key)  # fmt: skip
         if reason is None:
             view.cast("B")[:] = payload
             return True
@@ -195,7 +196,7 @@ class RedisTier(LowerTier):
         started = time.monotonic()
         pending = list(index)  # rows whose `done` is not called yet
         stored = 0
-        ttl = self.config.redis_ttl_s
+        ttl, mac_key = self.config.redis_ttl_s, self.config.mac_key
         try:
             if not self.available:
                 self.stats.add(skipped_writes=len(keys))
@@ -205,7 +206,7 @@ class RedisTier(LowerTier):
                 for name in names:
                     pipe.exists(name)
                 present = pipe.execute()
-            values = {name: b"".join((encode_header(key, row, self.fingerprint, self.hash_algo), row))
+            values = {name: b"".join((encode_header(key, row, self.fingerprint, self.hash_algo, mac_key), row))
                       for key, row, name, there in zip(keys, rows, names, present, strict=True) if not there}  # fmt: skip
             for i in pending:
                 done(i)  # every row is copied (or not needed): the caller may reuse it

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from pagedkv.ops import reference, torch_ops
+from pagedkv.ops.checks import check_attention, check_store, reject_nonfinite
 from pagedkv.ops.masks import AttentionOptions
 from pagedkv.ops.metadata import PagedMetadata
 from pagedkv.runtime.inputs import RaggedKVCacheInputs
@@ -69,8 +70,13 @@ def store_kv(
     """Write one step's K [T, H_kv, D] and V (None for MLA) of `layer` into the pages.
 
     FP8 caches (`inputs.kv_scales` set) are quantized per (token, head, group).
-    Pass the step's `metadata` to skip rebuilding it for every layer.
+    Pass the step's `metadata` to skip rebuilding it for every layer. Raises TypeError / ValueError
+    (see `pagedkv.ops.checks`) before writing anything; with ``inputs.nonfinite_kv == "reject"``
+    (`KVCacheParams.nonfinite_kv`) also ValueError when K or V holds NaN or inf, the cache unchanged.
     """
+    check_store(key, value, inputs, input_row_offsets, layer, metadata)
+    if inputs.nonfinite_kv != "pass":
+        reject_nonfinite(key, value, layer)
     if _backend == "reference":
         reference.store_kv_reference(
             inputs.blocks, key, value, inputs.lookup_table, inputs.cache_lengths, input_row_offsets, layer,
@@ -116,8 +122,10 @@ def paged_attention(
       ``cache_lengths[b]`` cached keys (build `metadata` with ``causal=False``).
 
     Raises ValueError on an invalid option, metadata of the other causality,
-    or a forced Triton backend with any option set.
+    or a forced Triton backend with any option set, and TypeError / ValueError
+    for arguments of the wrong type, shape or device (`pagedkv.ops.checks`).
     """
+    check_attention(query, inputs, input_row_offsets, layer, scale, softcap, metadata)
     options = AttentionOptions(sliding_window, chunk_size, sink_tokens, sinks, v_head_dim, causal)
     kwargs: dict[str, Any] = dict(
         sliding_window=sliding_window, chunk_size=chunk_size, sink_tokens=sink_tokens, sinks=sinks,

@@ -98,6 +98,8 @@ class PagedMetadata:
                 f"[{lengths.shape[0] + 1}]"
             )
         q_lens = offsets[1:] - offsets[:-1]  # [B]
+        if offsets.device.type == "cpu" and (int(offsets[0]) != 0 or bool((q_lens < 0).any())):  # (no sync on CUDA)
+            raise ValueError(f"input_row_offsets={offsets.tolist()} must start at 0 and never decrease")
         max_q, max_kv = (int(v) for v in inputs.max_lengths[step].tolist())  # host table: no device sync
         if num_tokens is None and offsets.device.type == "cpu":
             num_tokens = int(offsets[-1])

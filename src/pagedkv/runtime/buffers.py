@@ -8,6 +8,7 @@ any cache the same way, whatever its dtype or layout.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ import torch
 
 from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams
-from pagedkv.validation import check_int
+from pagedkv.validation import INT32_MAX, check_int
 
 __all__ = [
     "KVCacheBuffer",
@@ -23,6 +24,7 @@ __all__ = [
     "MultiKVCacheBuffer",
     "ReplicatedKVCacheMemory",
     "allocate_kv_buffers",
+    "check_fits",
     "allocate_multi_kv_buffers",
 ]
 
@@ -87,6 +89,8 @@ def _check_uniform(kind: str, tensors: Sequence[torch.Tensor]) -> None:
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{kind}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{kind}[{i}] has dtype {t.dtype}; KV pages and scales are floating point")
         if t.dim() < 1 or t.shape[0] < 1:
             raise ValueError(f"{kind}[{i}] must have at least one page, got shape {tuple(t.shape)}")
         if not _pages_contiguous(t):
@@ -113,6 +117,11 @@ class KVCacheBuffer:
     scales: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.replicates_kv_across_tp, bool):
+            raise TypeError(f"replicates_kv_across_tp={self.replicates_kv_across_tp!r} must be a bool")
+        for kind, tensors in (("values", self.values), ("scales", self.scales)):
+            if not isinstance(tensors, list | tuple) and (kind == "values" or tensors is not None):
+                raise TypeError(f"{kind} must be a list of tensors (one per TP shard), got {type(tensors).__name__}")
         self.values = list(self.values)
         if not self.values:
             raise ValueError("KVCacheBuffer requires at least one values buffer")
@@ -186,9 +195,45 @@ class MultiKVCacheBuffer:
         ]
 
 
+def _device_memory(device: torch.device) -> int | None:
+    """Bytes a device has (CPU: physical memory); None when unknown or unlimited (meta)."""
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # pragma: no cover - platform dependent
+            return None
+    if device.type == "cuda" and torch.cuda.is_available():  # pragma: no cover - needs a GPU
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return None
+
+
+def check_fits(params: KVCacheParams | MultiKVCacheParams, total_num_pages: int, *, null_page: bool = False,
+               shared: bool = False, host_bytes_per_page: int = 0) -> None:  # fmt: skip
+    """ValueError unless `total_num_pages` pages (page ids are int32; + the null page if `null_page`) of
+    every cache fit each device's memory.
+
+    `shared`: the caches alias one arena (a hybrid model), so a page costs the largest cache's page;
+    `host_bytes_per_page`: bookkeeping per page in host memory. Nothing is allocated.
+    """
+    check_int("total_num_pages", total_num_pages, 1, INT32_MAX - null_page)
+    rows = total_num_pages + null_page
+    need: dict[torch.device, int] = {}
+    for leaf in params.leaves():
+        for device in leaf.devices:
+            dev, page = device.to_torch(), leaf.bytes_per_block_per_device
+            need[dev] = max(need.get(dev, 0), page) if shared else need.get(dev, 0) + page
+    cpu = torch.device("cpu")
+    need[cpu] = need.get(cpu, 0) + host_bytes_per_page
+    for dev, per_page in need.items():
+        have = _device_memory(dev)
+        if have is not None and per_page * rows > have:
+            raise ValueError(f"total_num_pages={total_num_pages} of {per_page} bytes need "
+                             f"{per_page * rows} bytes on {dev}, which has {have}")  # fmt: skip
+
+
 def allocate_kv_buffers(params: KVCacheParams, total_num_pages: int) -> list[KVCacheBuffer]:
     """Zeroed ``[total_num_pages, *shape_per_block]`` buffers on every device, one `KVCacheBuffer` per replica."""
-    check_int("total_num_pages", total_num_pages, 1)
+    check_fits(params, total_num_pages)
     dtype = params.dtype.to_torch()
     buffers = []
     for devices in params.devices_per_replica:

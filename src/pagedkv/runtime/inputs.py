@@ -44,6 +44,14 @@ class RaggedKVCacheInputs(RecordMixin, KVCacheInputs):
     lookup_table: torch.Tensor
     max_lengths: torch.Tensor
     kv_scales: torch.Tensor | None = None
+    # `KVCacheParams.nonfinite_kv` of the cache ("pass" or "reject"): what `ops.store_kv` does with NaN/inf.
+    # Not a field (no input tensor): set on the record by the manager that built it.
+    nonfinite_kv = "pass"
+
+    def with_policy(self, nonfinite_kv: str) -> RaggedKVCacheInputs:
+        """This record, storing under `nonfinite_kv` (see above); returns self."""
+        self.nonfinite_kv = nonfinite_kv
+        return self
 
 
 @dataclass(eq=False)

@@ -1,0 +1,72 @@
+"""Argument checks of `LLMEngine.add_request` / `generate`, run before a request is queued.
+
+A prompt outside the model's vocabulary is refused here, not in the forward pass. `generate` also
+refuses (`InsufficientBlocksError`) a request that a full-attention cache could never hold, prompt and
+new tokens, before queueing any; `add_request` queues it, and `run` raises when it comes up (as before).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pagedkv.core.context import as_token_array
+from pagedkv.core.errors import InsufficientBlocksError
+from pagedkv.engine.sampling import SamplingParams
+from pagedkv.manager.paged import PagedKVCacheManager
+from pagedkv.validation import INT32_MAX, check_int
+
+__all__ = ["check_prompts", "check_request"]
+
+
+def check_request(
+    model: Any,
+    manager: PagedKVCacheManager,
+    prompt: Any,
+    max_new_tokens: Any,
+    sampling: Any,
+    stop_token_ids: Any,
+    cache_salt: Any,
+    capacity: bool = False,
+) -> np.ndarray:
+    """The prompt as an int32 array; TypeError / ValueError for a request that cannot be served (and, with
+    `capacity`, InsufficientBlocksError for one longer than the whole cache). Changes nothing."""
+    tokens = as_token_array(prompt)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
+        raise ValueError(f"prompt token {bad} is outside the model's vocabulary [0, {vocab})")
+    check_int("max_new_tokens", max_new_tokens, 1, INT32_MAX)
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if stop_token_ids is not None:
+        if not isinstance(stop_token_ids, Sequence | set | frozenset) or isinstance(stop_token_ids, str | bytes):
+            raise TypeError(f"stop_token_ids={stop_token_ids!r} must be a sequence of token ids or None")
+        for token in stop_token_ids:
+            if not isinstance(token, int | np.integer) or isinstance(token, bool):
+                raise TypeError(f"stop_token_ids holds {token!r}; token ids are ints")
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt={cache_salt!r} must be a str or None")
+    params = manager.params
+    if capacity and all(leaf.attention_kind == "full" for leaf in params.leaves()):  # windows reuse pages
+        slots = len(tokens) + max_new_tokens - 1 + params.num_eagle_speculative_tokens
+        cache_tokens = manager.total_num_pages * manager.page_size
+        if slots > cache_tokens:
+            raise InsufficientBlocksError(
+                f"a prompt of {len(tokens)} tokens with max_new_tokens={max_new_tokens} needs {slots} token slots but "
+                f"the whole cache holds {cache_tokens} ({manager.total_num_pages} pages of {manager.page_size})",
+                needed=-(-slots // manager.page_size),
+                available=manager.total_num_pages,
+            )
+    return tokens
+
+
+def check_prompts(prompts: Any) -> None:
+    """`generate`'s prompts: a list of token-id sequences."""
+    if not isinstance(prompts, Sequence) or isinstance(prompts, str | bytes):
+        raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence | np.ndarray):
+            raise TypeError(f"prompts[{i}]={prompt!r} must be a sequence of token ids")

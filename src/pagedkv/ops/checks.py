@@ -1,0 +1,116 @@
+"""Argument checks of `ops.store_kv` and `ops.paged_attention`, shared by every backend.
+
+They run before anything is read or written, on tensor attributes only (shape, dtype, device: no
+device sync), and raise TypeError (wrong type or dtype) or ValueError (wrong shape, device, layer),
+naming the argument, its value and what was expected. `reject_nonfinite` is the
+``nonfinite_kv="reject"`` policy: it is called only under that policy, so "pass" costs nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from pagedkv.ops.metadata import PagedMetadata
+from pagedkv.runtime.inputs import RaggedKVCacheInputs
+
+__all__ = ["check_attention", "check_store", "reject_nonfinite"]
+
+
+_INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+
+
+def _check_inputs(inputs: Any, offsets: Any, layer: Any) -> torch.Tensor:
+    """The cache inputs, the row offsets and the layer; returns the page tensor."""
+    if not isinstance(inputs, RaggedKVCacheInputs):
+        raise TypeError(f"inputs must be RaggedKVCacheInputs, got {type(inputs).__name__}")
+    blocks = inputs.blocks
+    if not isinstance(blocks, torch.Tensor) or len(blocks.shape) != 6:
+        shape = tuple(blocks.shape) if isinstance(blocks, torch.Tensor) else type(blocks).__name__
+        raise ValueError(f"inputs.blocks must be [pages, kv_dim, layers, page_size, H_kv, D], got {shape}")
+    scales = inputs.kv_scales
+    if scales is not None and (scales.shape[:-1] != blocks.shape[:-1] or scales.device != blocks.device):
+        raise ValueError(f"inputs.kv_scales {tuple(scales.shape)} on {scales.device} does not match the pages "
+                         f"{tuple(blocks.shape)} on {blocks.device}")  # fmt: skip
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"input_row_offsets must be an integer torch.Tensor [B + 1], got {type(offsets).__name__}")
+    if offsets.dtype not in _INT_DTYPES:
+        raise TypeError(f"input_row_offsets has dtype {offsets.dtype}; it must be an integer tensor")
+    if type(layer) is not int and (not isinstance(layer, int) or isinstance(layer, bool)):
+        raise TypeError(f"layer={layer!r} must be an int")
+    if not 0 <= layer < blocks.shape[2]:
+        raise ValueError(f"layer={layer} must be in [0, {blocks.shape[2]}) (the cache's layers)")
+    return blocks
+
+
+def _num_tokens(offsets: torch.Tensor, meta: PagedMetadata | None) -> int | None:
+    """T of the batch: the metadata's, else the offsets' last entry on CPU (None: unknown without a sync)."""
+    if meta is not None:
+        return meta.num_tokens
+    if offsets.device.type == "cpu" and offsets.numel():
+        return int(offsets[-1])
+    return None
+
+
+def _check_tokens(name: str, x: Any, blocks: torch.Tensor, tokens: int | None) -> None:
+    """`x` is a floating tensor [T, H, D] on the cache's device, T matching the batch."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor [T, H, D], got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} has dtype {x.dtype}; it must be floating point")
+    if x.device != blocks.device:
+        raise ValueError(f"{name} is on {x.device} but the cache is on {blocks.device}")
+    shape = x.shape
+    if len(shape) != 3:
+        raise ValueError(f"{name} shape {tuple(shape)} must be [T, H, D]")
+    if tokens is not None and shape[0] != tokens:
+        raise ValueError(f"{name} has {shape[0]} tokens but the batch's input_row_offsets end at {tokens}")
+
+
+def check_store(
+    key: Any, value: Any, inputs: Any, offsets: Any, layer: Any, meta: PagedMetadata | None
+) -> None:  # fmt: skip
+    """`store_kv`'s arguments: K (and V) [T, H_kv, D] of the cache's heads, width and device."""
+    blocks = _check_inputs(inputs, offsets, layer)
+    tokens, page = _num_tokens(offsets, meta), blocks.shape[4:]
+    for name, x in (("key", key), ("value", value)):
+        if x is None and name == "value":
+            continue
+        _check_tokens(name, x, blocks, tokens)
+        if x.shape[1:] != page:
+            raise ValueError(f"{name} shape {tuple(x.shape)} != [T, H_kv, D] with (H_kv, D)={tuple(page)}")
+    if value is not None and blocks.shape[1] == 1:
+        raise ValueError("value given for a cache with kv_dim=1 (MLA stores K only)")
+
+
+def check_attention(
+    query: Any, inputs: Any, offsets: Any, layer: Any, scale: Any, softcap: Any, meta: PagedMetadata | None
+) -> None:
+    """`paged_attention`'s arguments: query [T, H_q, D] (H_q a multiple of H_kv), a finite scale and softcap."""
+    blocks = _check_inputs(inputs, offsets, layer)
+    _check_tokens("query", query, blocks, _num_tokens(offsets, meta))
+    if query.shape[2] != blocks.shape[5] or query.shape[1] % blocks.shape[4]:
+        raise ValueError(f"query shape {tuple(query.shape)} != [T, H_q, D={blocks.shape[5]}] with H_q a multiple "
+                         f"of H_kv={blocks.shape[4]}")  # fmt: skip
+    for name, number in (("scale", scale), ("softcap", softcap)):
+        if number is None:
+            continue
+        if isinstance(number, bool) or not isinstance(number, int | float):
+            raise TypeError(f"{name}={number!r} must be a number or None")
+        if not 0 < number < math.inf:
+            raise ValueError(f"{name}={number!r} must be a finite number > 0")
+
+
+def reject_nonfinite(key: torch.Tensor, value: torch.Tensor | None, layer: int) -> None:
+    """ValueError when K or V of `layer` holds NaN or inf (``nonfinite_kv="reject"``; nothing is written)."""
+    for name, x in (("key", key), ("value", value)):
+        if x is None:
+            continue
+        bad = int(x.numel() - torch.isfinite(x).sum())
+        if bad:
+            raise ValueError(
+                f"store_kv: {name} of layer {layer} has {bad} non-finite values (NaN/inf) of {x.numel()}; "
+                "nonfinite_kv='reject' stores nothing"
+            )
