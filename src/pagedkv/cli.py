@@ -1,4 +1,5 @@
-"""The `pagedkv` command: `pagedkv demo` and `pagedkv bench {manager,attention,triton,fp8,engine,hybrid,tiers}`."""
+"""The `pagedkv` command: `pagedkv demo` and `pagedkv bench {manager,attention,triton,fp8,engine,hybrid,tiers,
+compare,soak,faults}`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from pagedkv.bench.faults import add_faults_parser
+from pagedkv.bench.soak import add_soak_parser
 
 __all__ = ["main"]
 
@@ -96,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--markdown", type=Path, help="write the tables to this markdown file")
     cmp.add_argument("--plots", type=Path, help="write PNG plots into this directory")
     cmp.add_argument("--from-json", type=Path, help="render the tables and plots of an earlier --json run")
+    add_soak_parser(kinds)
+    add_faults_parser(kinds)
     return parser
 
 
@@ -148,6 +154,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_demo(args.requests, args.seed, manager_only=args.manager_only, model_path=args.model)
     if args.bench == "compare":
         return _compare(args)
+    if args.bench == "faults":
+        from pagedkv.bench.faults import run_faults_command
+
+        return run_faults_command(args)
+    if args.bench == "soak":
+        from pagedkv.bench.soak import soak_command
+
+        return soak_command(args)
     if args.bench == "attention":
         from pagedkv.bench.attention_bench import format_attention_report, run_attention_bench
 
