@@ -191,8 +191,8 @@ class KVCacheParams:
                 raise ValueError(f"kv_connector={self.kv_connector!r} must be one of {names}") from None
             object.__setattr__(self, "kv_connector", connector)
         swap = self.host_kvcache_swap_space_gb
-        if swap is not None and (not isinstance(swap, int | float) or isinstance(swap, bool) or swap <= 0):
-            raise ValueError(f"host_kvcache_swap_space_gb={swap!r} must be a number > 0")
+        if swap is not None and (not isinstance(swap, int | float) or isinstance(swap, bool) or not 0 < swap < 2**40):
+            raise ValueError(f"host_kvcache_swap_space_gb={swap!r} must be a finite number > 0 (below 2**40)")
         if connector in (KVConnectorType.local, KVConnectorType.tiered, KVConnectorType.redis):
             if not self.enable_prefix_caching:
                 raise ValueError(f"kv_connector={connector.value} requires prefix caching to be enabled")

@@ -126,8 +126,9 @@ def test_connector_rules() -> None:
         ValueError, match=r"kv_connector='lmcache' must be one of \['null', 'local', 'tiered', 'redis'\]"
     ):
         make_params(kv_connector="lmcache")
-    with pytest.raises(ValueError, match="host_kvcache_swap_space_gb=-1 must be a number > 0"):
-        make_params(host_kvcache_swap_space_gb=-1)
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=rf"host_kvcache_swap_space_gb={bad!r} must be a finite number > 0"):
+            make_params(host_kvcache_swap_space_gb=bad)
     p = make_params(kv_connector="local", enable_prefix_caching=True, host_kvcache_swap_space_gb=0.5)
     assert p.kv_connector is KVConnectorType.local
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hf_models import build
+from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.engine import LLMEngine, SamplingParams
 from pagedkv.hf import ForwardContext, kv_params_from_config
 
@@ -58,9 +59,9 @@ def test_errors() -> None:
     eng = engine(num_pages=2)
     with pytest.raises(ValueError, match="max_new_tokens=0 must be at least 1"):
         eng.add_request([1, 2], 0)
-    eng.add_request(list(range(3, 20)), 4)  # 17 tokens never fit in 2 pages of 4
-    with pytest.raises(Exception, match="needs 17 token slots but the whole cache holds 8"):
-        eng.run()
+    with pytest.raises(InsufficientBlocksError, match="the whole cache holds 8"):
+        eng.add_request(list(range(3, 20)), 4)  # 17 tokens never fit in 2 pages of 4: refused, not queued
+    assert not eng.has_unfinished()
 
 
 def test_model_refuses_a_plain_forward_once_switched() -> None:

@@ -153,7 +153,8 @@ class LLMEngine:
 
         `cache_salt` (per tenant): requests with different salts never share a page, on device or in a tier.
         """
-        tokens = check_request(self.model, self.manager, prompt, max_new_tokens, sampling, stop_token_ids, cache_salt)
+        tokens = check_request(self.model, self.manager, prompt, max_new_tokens, sampling, stop_token_ids, cache_salt,
+                               True)  # fmt: skip
         rid = self._next_id
         self._next_id += 1
         generator = None

@@ -166,6 +166,8 @@ class DiskTier(LowerTier):
         try:
             fd = os.open(path, _READ)
         except FileNotFoundError:
+            with self._lock:
+                self._index.pop(key, None)  # deleted behind the index: forget it, so it is written again
             return False
         except OSError as exc:
             if exc.errno != errno.ELOOP:
@@ -213,7 +215,12 @@ class DiskTier(LowerTier):
                 else:
                     self._writing.add(key)
                     todo.append(i)
-        for i in skipped:
+        gone = [i for i in skipped if keys[i] in self._index and not os.path.exists(self._file(keys[i]))]
+        with self._lock:  # files deleted behind the index (an operator, a peer's cap, a lost file): rewrite
+            gone = [i for i in gone if keys[i] not in self._writing and self._index.pop(keys[i], 0) is None]
+            self._writing.update(keys[i] for i in gone)
+        todo = sorted(todo + gone) if gone else todo
+        for i in sorted(set(skipped) - set(gone)):
             done(i)
         jobs = min(self._threads, len(todo))
         for first in range(jobs):
