@@ -35,7 +35,7 @@ from pagedkv.core.context import RequestID, TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.hashing import BlockHash, PrefixHasher
 from pagedkv.core.partial_pages import PageCopy, Partial, make_partial_pages
-from pagedkv.core.tables import RequestPages
+from pagedkv.core.tables import RequestPages, claimed_states
 
 __all__ = ["BlockManager"]
 
@@ -204,10 +204,7 @@ class BlockManager(BlockManagerQueries):
         """`step` for every context of `batch` (one call: this runs once per request per step)."""
         reqs, ps, caching = self._reqs, self.page_size, self.enable_prefix_caching
         batch = batch if isinstance(batch, list | tuple) else list(batch)
-        try:
-            states = [reqs[ctx.request_id] for ctx in batch]  # every request is checked before any commit
-        except KeyError as missing:
-            raise ValueError(f"request {missing.args[0]!r} is not claimed: call claim() first") from None
+        states = claimed_states(reqs, batch)  # every request is checked before any commit
         for ctx, st in zip(batch, states, strict=True):
             if not caching or st.dummy:  # a dummy (padding) row has nothing to commit
                 continue

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["TokenBuffer", "TextContext", "RequestID", "Retention"]
+__all__ = ["TokenBuffer", "TextContext", "RequestID", "Retention", "check_request_id"]
 
 RequestID = Hashable
 """Any hashable request id (MAX uses strings)."""
@@ -193,6 +193,16 @@ class Retention:
             raise ValueError(f"duration_s={d!r} must be a finite number of seconds > 0, or None")
 
 
+def check_request_id(request_id: Any) -> None:
+    """TypeError unless `request_id` is hashable and not None."""
+    if request_id is None:
+        raise TypeError("request_id=None: a request needs a hashable id (str, int, ...)")
+    try:
+        hash(request_id)
+    except TypeError:
+        raise TypeError(f"request_id={request_id!r} must be hashable, got {type(request_id).__name__}") from None
+
+
 class TextContext:
     """One request: id, tokens, stopping length and tenant salt.
 
@@ -217,12 +227,7 @@ class TextContext:
         cache_salt: str | None = None,
         encoder_length: int = 0,
     ) -> None:
-        if request_id is None:
-            raise TypeError("request_id=None: a request needs a hashable id (str, int, ...)")
-        try:
-            hash(request_id)
-        except TypeError:
-            raise TypeError(f"request_id={request_id!r} must be hashable, got {type(request_id).__name__}") from None
+        check_request_id(request_id)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt={cache_salt!r} must be a str or None")
         self.tokens = TokenBuffer(tokens)

@@ -35,7 +35,14 @@ from pagedkv.core.errors import require as _require
 from pagedkv.core.hashing import BlockHash
 from pagedkv.core.hybrid_state import _FAR, HybridRequest, Plan, check_request, find_hit, release_order
 from pagedkv.core.managers import GroupManager
-from pagedkv.core.tables import BatchTables, RequestPages, assemble_tables, check_batch, required_pages
+from pagedkv.core.tables import (
+    BatchTables,
+    RequestPages,
+    assemble_tables,
+    check_batch,
+    claimed_states,
+    required_pages,
+)
 
 __all__ = ["KVCacheCoordinator"]
 
@@ -214,10 +221,7 @@ class KVCacheCoordinator(PageSource, BlockManager):
         """Commit every group's full written pages of each request (no-op without prefix caching)."""
         reqs, ps, caching = self._reqs, self.page_size, self.enable_prefix_caching
         batch = batch if isinstance(batch, list | tuple) else list(batch)
-        try:
-            states = [reqs[ctx.request_id] for ctx in batch]  # every request is checked before any commit
-        except KeyError as missing:
-            raise ValueError(f"request {missing.args[0]!r} is not claimed: call claim() first") from None
+        states = claimed_states(reqs, batch)  # every request is checked before any commit
         for ctx, st in zip(batch, states, strict=True):
             if not caching or st.dummy:
                 continue

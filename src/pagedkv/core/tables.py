@@ -12,7 +12,8 @@ from pagedkv.core.context import TextContext
 from pagedkv.core.hashing import BlockHash
 from pagedkv.validation import INT32_MAX, check_int
 
-__all__ = ["RequestPages", "BatchTables", "assemble_tables", "build_tables", "check_batch", "lut_columns"]
+__all__ = ["RequestPages", "BatchTables", "assemble_tables", "build_tables", "check_batch", "claimed_states",
+           "lut_columns"]  # fmt: skip
 
 _NO_PAGES = np.zeros(0, dtype=np.int32)
 
@@ -70,6 +71,15 @@ class BatchTables:
 def lut_columns(num_pages: int) -> int:
     """Lookup-table width for `num_pages` pages: a multiple of 8 plus 16 cells of overrun room."""
     return -(-num_pages // 8) * 8 + 16
+
+
+def claimed_states(reqs: Mapping[Hashable, Any], batch: Sequence[TextContext]) -> list[Any]:
+    """The request states of `batch`, in order; ValueError naming the first request not claimed
+    (the hot path of `step`: one dict lookup per request, no duplicate check)."""
+    try:
+        return [reqs[ctx.request_id] for ctx in batch]
+    except KeyError as missing:
+        raise ValueError(f"request {missing.args[0]!r} is not claimed: call claim() first") from None
 
 
 def check_batch(reqs: Mapping[Hashable, Any], batch: Sequence[TextContext]) -> list[Any]:

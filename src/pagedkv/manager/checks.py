@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedkv.core.block_manager import BlockManager
-from pagedkv.core.context import TextContext
+from pagedkv.core.context import TextContext, check_request_id
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.tables import check_batch
 from pagedkv.manager import hybrid
@@ -46,16 +46,6 @@ def check_manager(
         raise TypeError(f"enable_runtime_checks={enable_runtime_checks!r} must be a bool")
     host = HOST_BYTES_PER_PAGE * params.data_parallel_degree
     check_fits(params, total_num_pages, null_page=True, shared=hybrid.is_hybrid(params), host_bytes_per_page=host)
-
-
-def check_request_id(request_id: Any) -> None:
-    """A request id is hashable and not None."""
-    if request_id is None:
-        raise TypeError("request_id=None: a request needs a hashable id (str, int, ...)")
-    try:
-        hash(request_id)
-    except TypeError:
-        raise TypeError(f"request_id={request_id!r} must be hashable, got {type(request_id).__name__}") from None
 
 
 def check_claim(swapped: Any, request_id: Any, replica_idx: int) -> None:
