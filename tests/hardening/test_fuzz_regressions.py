@@ -169,12 +169,11 @@ def test_one_wrong_page_moves_the_logits_far_beyond_atol() -> None:
 
 
 def test_a_request_longer_than_the_whole_cache_is_refused_up_front() -> None:
-    """Found by the machine when its pools got smaller than its longest prompt: `add_request` runs
-    `check_request` without `capacity=True` (only `generate` passes it), so a 16-token prompt is queued
-    in a 10-slot cache; once it reaches the head of the queue `Scheduler._admit_one` raises
-    InsufficientBlocksError from `engine.step()`, and again at every later step (it stays first in
-    `waiting`), so requests behind it never run. `pagedkv.engine.checks` says such a request is refused
-    before it is queued."""
+    """Found by the machine when its pools got smaller than its longest prompt: `add_request` used to
+    queue a 16-token prompt in a 10-slot cache (only `generate` checked the capacity); once it reached
+    the head of the queue `Scheduler._admit_one` raised InsufficientBlocksError from `engine.step()`,
+    and again at every later step (it stayed first in `waiting`), so requests behind it never ran. Now
+    `pagedkv.engine.checks` refuses such a request before it is queued."""
     engine = LLMEngine.from_hf(build_llama(0, "eager", **CONFIG), page_size=2, num_pages=5)
     short = engine.add_request([5, 6, 7], 2)
     with pytest.raises(InsufficientBlocksError):

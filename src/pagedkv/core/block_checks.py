@@ -6,6 +6,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from pagedkv.core.errors import require as _require
+from pagedkv.core.hashing import check_seed
 from pagedkv.validation import INT32_MAX, check_int
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -22,8 +23,7 @@ def check_manager_args(page_size: object, caching: object, speculative: object, 
                           (caching, *flags), strict=False):  # fmt: skip
         if not isinstance(flag, bool):
             raise TypeError(f"{name}={flag!r} must be a bool")
-    if seed is not None and (not isinstance(seed, bytes) or len(seed) != 32):
-        raise (ValueError if isinstance(seed, bytes) else TypeError)(f"hash_seed={seed!r} must be 32 bytes or None")
+    check_seed("hash_seed", seed)
 
 
 def check_block_manager(bm: BlockManager) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.context import RequestID, Retention, TextContext, as_token_array
-from pagedkv.core.hashing import PrefixHasher
+from pagedkv.core.hashing import PrefixHasher, check_salt
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.tables import BatchTables, RequestPages, build_tables
 
@@ -29,8 +29,7 @@ class BlockManagerQueries:
         """Give the cached pages of the page-aligned prefix of `tokens` (as `cache_salt`'s chain) the
         priority of `retention` (SGLang's pinned prefixes; priority 35 unpins). Returns pages found."""
         array = as_token_array(tokens)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise TypeError(f"cache_salt={cache_salt!r} must be a str or None")
+        check_salt(cache_salt)
         n = len(array) // self.page_size
         keys, _ = self.hasher.extend(array, 0, n, self.hasher.root(cache_salt)) if n else ([], b"")
         pages = self.pool.lookup(keys, 0, n)

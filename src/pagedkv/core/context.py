@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from pagedkv.core.hashing import check_salt
+
 __all__ = ["TokenBuffer", "TextContext", "RequestID", "Retention", "check_request_id"]
 
 RequestID = Hashable
@@ -228,8 +230,7 @@ class TextContext:
         encoder_length: int = 0,
     ) -> None:
         check_request_id(request_id)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise TypeError(f"cache_salt={cache_salt!r} must be a str or None")
+        check_salt(cache_salt)
         self.tokens = TokenBuffer(tokens)
         if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)):
             raise TypeError(f"max_length={max_length!r} must be an int or None")

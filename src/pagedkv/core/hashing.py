@@ -43,10 +43,22 @@ from pagedkv.validation import check_int
 BlockHash = bytes | int
 """A prefix-cache key: bytes (sha256, xxh3_128) or a signed 64-bit int (sha256_64)."""
 
-__all__ = ["BlockHash", "PrefixHasher", "root_digest", "hash_tokens"]
+__all__ = ["BlockHash", "PrefixHasher", "check_salt", "check_seed", "root_digest", "hash_tokens"]
 
 _ZERO_SEED = bytes(32)
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def check_salt(cache_salt: object) -> None:
+    """TypeError unless `cache_salt` is a str or None."""
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt={cache_salt!r} must be a str or None")
+
+
+def check_seed(name: str, seed: object) -> None:
+    """TypeError unless `seed` is bytes or None, ValueError unless it has exactly 32 bytes."""
+    if seed is not None and (not isinstance(seed, bytes) or len(seed) != 32):
+        raise (ValueError if isinstance(seed, bytes) else TypeError)(f"{name}={seed!r} must be 32 bytes or None")
 
 
 def root_digest(seed: bytes | None = None, cache_salt: str | None = None, version: str | None = None) -> bytes:
@@ -174,10 +186,8 @@ def hash_tokens(
     if array.size and (array.min() < _INT32_MIN or array.max() > _INT32_MAX):
         raise ValueError(f"tokens hold values outside int32 [{_INT32_MIN}, {_INT32_MAX}]")
     check_int("page_size", page_size, 1)
-    if seed is not None and (not isinstance(seed, bytes) or len(seed) != 32):
-        raise (ValueError if isinstance(seed, bytes) else TypeError)(f"seed={seed!r} must be 32 bytes or None")
-    if cache_salt is not None and not isinstance(cache_salt, str):
-        raise TypeError(f"cache_salt={cache_salt!r} must be a str or None")
+    check_seed("seed", seed)
+    check_salt(cache_salt)
     if seed is None:
         from pagedkv.deployment_seed import deployment_seed
 

@@ -1,8 +1,8 @@
 """Argument checks of `LLMEngine.add_request` / `generate`, run before a request is queued.
 
-A prompt outside the model's vocabulary is refused here, not in the forward pass. `generate` also
-refuses (`InsufficientBlocksError`) a request that a full-attention cache could never hold, prompt and
-new tokens, before queueing any; `add_request` queues it, and `run` raises when it comes up (as before).
+A prompt outside the model's vocabulary is refused here, not in the forward pass, and so is
+(`InsufficientBlocksError`) a request that a full-attention cache could never hold, prompt and new
+tokens: it would block the head of the queue. `generate` checks every prompt before queueing any.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 
 from pagedkv.core.context import as_token_array
 from pagedkv.core.errors import InsufficientBlocksError
+from pagedkv.core.hashing import check_salt
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.validation import INT32_MAX, check_int
@@ -29,10 +30,9 @@ def check_request(
     sampling: Any,
     stop_token_ids: Any,
     cache_salt: Any,
-    capacity: bool = False,
 ) -> np.ndarray:
-    """The prompt as an int32 array; TypeError / ValueError for a request that cannot be served (and, with
-    `capacity`, InsufficientBlocksError for one longer than the whole cache). Changes nothing."""
+    """The prompt as an int32 array; TypeError / ValueError for a request that cannot be served, and
+    InsufficientBlocksError for one longer than the whole cache. Changes nothing."""
     tokens = as_token_array(prompt)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(vocab, int) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
@@ -47,10 +47,9 @@ def check_request(
         for token in stop_token_ids:
             if not isinstance(token, int | np.integer) or isinstance(token, bool):
                 raise TypeError(f"stop_token_ids holds {token!r}; token ids are ints")
-    if cache_salt is not None and not isinstance(cache_salt, str):
-        raise TypeError(f"cache_salt={cache_salt!r} must be a str or None")
+    check_salt(cache_salt)
     params = manager.params
-    if capacity and all(leaf.attention_kind == "full" for leaf in params.leaves()):  # windows reuse pages
+    if all(leaf.attention_kind == "full" for leaf in params.leaves()):  # windows reuse pages
         slots = len(tokens) + max_new_tokens - 1 + params.num_eagle_speculative_tokens
         cache_tokens = manager.total_num_pages * manager.page_size
         if slots > cache_tokens:

@@ -152,9 +152,16 @@ class LLMEngine:
         """Queue a prompt; returns its `Request` (filled in as the engine steps).
 
         `cache_salt` (per tenant): requests with different salts never share a page, on device or in a tier.
+        Raises (`pagedkv.engine.checks`) before anything is queued.
         """
-        tokens = check_request(self.model, self.manager, prompt, max_new_tokens, sampling, stop_token_ids, cache_salt,
-                               True)  # fmt: skip
+        tokens = check_request(self.model, self.manager, prompt, max_new_tokens, sampling, stop_token_ids, cache_salt)
+        return self._enqueue(tokens, max_new_tokens, sampling, stop_token_ids, cache_salt)
+
+    def _enqueue(
+        self, tokens: np.ndarray, max_new_tokens: int, sampling: SamplingParams,
+        stop_token_ids: Sequence[int] | None, cache_salt: str | None,
+    ) -> Request:  # fmt: skip
+        """Queue a request whose arguments `check_request` accepted."""
         rid = self._next_id
         self._next_id += 1
         generator = None
@@ -192,10 +199,9 @@ class LLMEngine:
         before any is queued (`pagedkv.engine.checks`).
         """
         check_prompts(prompts)
-        for p in prompts:
-            check_request(self.model, self.manager, p, max_new_tokens, sampling, stop_token_ids, cache_salt, True)
-        requests = [self.add_request(p, max_new_tokens, sampling, stop_token_ids, cache_salt=cache_salt)
-                    for p in prompts]  # fmt: skip
+        checked = [check_request(self.model, self.manager, p, max_new_tokens, sampling, stop_token_ids, cache_salt)
+                   for p in prompts]  # fmt: skip
+        requests = [self._enqueue(t, max_new_tokens, sampling, stop_token_ids, cache_salt) for t in checked]
         self.run(progress=progress)
         return [r.output for r in requests]
 
