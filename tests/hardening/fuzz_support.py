@@ -213,13 +213,9 @@ def disk_fault(root: Path, kind: str, picks: list[int], row_bytes: int) -> int:
         donor = other.read_bytes() if other is not None and other != path else None
     except FileNotFoundError:  # deleted by the tier meanwhile (LRU)
         return 0
-    if kind == "forge":
-        if donor is None:
-            return 0
-        new = forge(raw, donor, row_bytes, downgrade=picks[-1] % 4 != 0)
-    else:
-        new = mutate(raw, kind, picks[0] + 7 * picks[-1], row_bytes, donor)
-    assert new is not None
+    new = _damaged(raw, donor, kind, picks, row_bytes)
+    if new is None:
+        return 0
     path.write_bytes(new)  # in place, as a bad disk or another writer would leave it
     return 1
 
@@ -241,15 +237,20 @@ def redis_fault(client: Any, prefix: str, kind: str, picks: list[int], row_bytes
     donor = client.get(other) if other is not None and other != name else None
     if raw is None:
         return 0
-    if kind == "forge":
-        if donor is None:
-            return 0
-        new = forge(raw, donor, row_bytes, downgrade=picks[-1] % 4 != 0)
-    else:
-        new = mutate(raw, kind, picks[0] + 7 * picks[-1], row_bytes, donor)
-    assert new is not None
+    new = _damaged(raw, donor, kind, picks, row_bytes)
+    if new is None:
+        return 0
     client.set(name, new)
     return 1
+
+
+def _damaged(raw: bytes, donor: bytes | None, kind: str, picks: list[int], row_bytes: int) -> bytes | None:
+    """`raw` after fault `kind` (None: a forgery with no donor page to forge from)."""
+    if kind == "forge":
+        return None if donor is None else forge(raw, donor, row_bytes, downgrade=picks[-1] % 4 != 0)
+    new = mutate(raw, kind, picks[0] + 7 * picks[-1], row_bytes, donor)
+    assert new is not None
+    return new
 
 
 # ----------------------------------------------------------------------------- shadow model

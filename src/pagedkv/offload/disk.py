@@ -217,6 +217,7 @@ class DiskTier(LowerTier):
                     todo.append(i)
         gone = [i for i in skipped if keys[i] in self._index and not os.path.exists(self._file(keys[i]))]
         with self._lock:  # files deleted behind the index (an operator, a peer's cap, a lost file): rewrite
+            # (index values are None: pop gives None once per key still indexed, then the default 0)
             gone = [i for i in gone if keys[i] not in self._writing and self._index.pop(keys[i], 0) is None]
             self._writing.update(keys[i] for i in gone)
         todo = sorted(todo + gone) if gone else todo
