@@ -80,7 +80,7 @@ def split_into_groups(items: Sequence[Any], n: int) -> list[list[Any]]:
 
 @dataclass(frozen=True)
 class KVCacheParams:
-    """Configuration of one KV cache (MAX's `KVCacheParams`, seed 000).
+    """Configuration of one KV cache (MAX's `KVCacheParams`).
 
     Raises ValueError/TypeError at construction for anything the cache cannot
     honour; the message names the argument, its value and the limit.

@@ -11,7 +11,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "pagedkv"
 
-TORCH_FREE = [
+TORCH_FREE = [  # every bookkeeping module (all of pagedkv.core) and the description layer below it
     "pagedkv",
     "pagedkv.dtype",
     "pagedkv.params",
@@ -19,27 +19,12 @@ TORCH_FREE = [
     "pagedkv.symbols",
     "pagedkv.records",
     "pagedkv.validation",
-    "pagedkv.core.errors",
-    "pagedkv.core.hashing",
-    "pagedkv.core.block_pool",
-    "pagedkv.core.pool_queries",
-    "pagedkv.core.evictor",
-    "pagedkv.core.arc",
-    "pagedkv.core.pool_retention",
-    "pagedkv.core.block_queries",
-    "pagedkv.core.block_checks",
-    "pagedkv.core.context",
-    "pagedkv.core.metrics",
-    "pagedkv.core.block_manager",
-    "pagedkv.core.partial_pages",
-    "pagedkv.core.memory",
-    "pagedkv.core.events",
-    "pagedkv.core.block_hooks",
-    "pagedkv.core.tier_index",
-    "pagedkv.core.tier_stats",
-    "pagedkv.core.swap",
+    "pagedkv.interface",
     "pagedkv.connector_config",
     "pagedkv.offload.format",
+    *sorted(
+        "pagedkv.core." + p.stem for p in (SRC / "core").glob("*.py") if p.stem != "__init__"
+    ),
 ]
 
 # Lower number = lower layer. A module may import only from its own layer or below.
@@ -126,6 +111,126 @@ def test_imports_flow_one_way(module: str, path: Path) -> None:
         assert imported.split(".")[0] != "torch", f"bookkeeping module {module} imports torch"
 
 
-def test_files_stay_small() -> None:
-    big = {m: len(p.read_text().splitlines()) for m, p in _modules() if len(p.read_text().splitlines()) > 350}
-    assert not big, f"modules over 350 lines: {big}"
+def test_files_hold_one_responsibility() -> None:
+    """A file is as long as its one responsibility needs: a class is never split into mixins to keep
+    files short, so no file should grow past about 600 lines either."""
+    big = {m: n for m, p in _modules() if (n := len(p.read_text().splitlines())) > 600}
+    assert not big, f"modules over 600 lines: {big}"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> pagedkv modules it imports anywhere (functions and TYPE_CHECKING blocks included);
+    importing ``a.b.c`` also runs the packages ``a.b`` on the way."""
+    modules = dict(_modules())
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if name.startswith("pagedkv.") and (target := resolve(name)) is not None:
+                    targets.add(target)
+        for target in list(targets):
+            parts = target.split(".")
+            for i in range(2, len(parts)):  # the packages a dotted import runs first
+                package = ".".join(parts[:i])
+                if package in modules and not module.startswith(package):
+                    targets.add(package)
+        targets.discard(module)
+        graph[module] = targets
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of `graph` with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles_but_the_seed_apis_one() -> None:
+    """Modules that import each other, directly or through others: only `KVCacheParams.allocate_buffers`
+    (MAX's API puts buffer allocation on the params), which reaches up to the runtime buffers."""
+    allowed = ["pagedkv.multi_params", "pagedkv.params", "pagedkv.runtime.buffers"]
+    circles = [c for c in _circles(_import_graph()) if c not in _BEING_BROKEN]
+    assert all(set(c) <= set(allowed) for c in circles), f"import circles: {circles}"
+
+
+_BEING_BROKEN = [  # (transitional: the hf forward context and the fault bench's child module break these)
+    ["pagedkv.hf.attention", "pagedkv.hf.encoder_decoder", "pagedkv.hf.mla"],
+    ["pagedkv.bench.faults", "pagedkv.bench.faults_cases"],
+]
+
+
+def test_the_circle_checker_finds_circles() -> None:
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def _declares_foreign_state(cls: ast.ClassDef) -> list[str]:
+    """Bare class-level annotations (``_reqs: dict[...]``) that no method of `cls` assigns: state the
+    class re-declares from a host it is mixed into. Dataclasses, ABCs, Protocols and NamedTuples declare
+    their own fields that way and are skipped."""
+    decorators = [ast.unparse(d) for d in cls.decorator_list]
+    bases = [ast.unparse(b) for b in cls.bases]
+    if any("dataclass" in d for d in decorators) or any(b in ("ABC", "Protocol", "NamedTuple", "TypedDict") for b in bases):
+        return []
+    declared = [s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and s.value is None
+                and isinstance(s.target, ast.Name)]  # fmt: skip
+    assigned = {
+        t.attr
+        for node in ast.walk(cls)
+        if isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign)
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        for t in ([*t.elts] if isinstance(t, ast.Tuple) else [t])
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in ("self", "cls")
+    }
+    return [name for name in declared if name not in assigned]
+
+
+def test_no_class_redeclares_a_hosts_state() -> None:
+    offenders = {}
+    for module, path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and (names := _declares_foreign_state(node)):
+                offenders[f"{module}.{node.name}"] = names
+    assert not offenders, f"classes declaring state they never set (mixins of a host): {offenders}"

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from helpers import make_params
-from pagedkv.core.arc import ArcState
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.context import Retention, TextContext
+from pagedkv.core.eviction import ArcState
 from pagedkv.dtype import DeviceRef
 from pagedkv.manager.paged import PagedKVCacheManager
 
@@ -82,7 +82,7 @@ def test_retention_priority_orders_eviction_and_expires() -> None:
     now = [0.0]
     pool = cached_pool(4)
     pool.set_priority([0], 80)  # for as long as cached
-    pool._keyed().clock = lambda: now[0]
+    pool.keyed_order().clock = lambda: now[0]
     pool.set_priority([1], 90, duration_s=5.0)
     pool.set_priority([2], 10)
     pool.free([0, 1, 2, 3])

@@ -166,7 +166,7 @@ def mgr_state(mgr: PagedKVCacheManager, *ctxs: TextContext) -> dict[str, Any]:
         "replicas": [snapshot(bm, *ctxs) for bm in mgr._managers],
         "free": [mgr.num_free_blocks(r) for r in range(mgr.num_replicas)],
         "used": [mgr.get_num_used_pages(r) for r in range(mgr.num_replicas)],
-        "swapped": sorted(map(repr, mgr._swapped)),
+        "swapped": sorted(map(repr, mgr._swapped.keys())),
         "host": [
             (c.num_used_host_blocks, list(c.host.index._slots.items()), list(c.host.index._pins))
             for c in tiers.connectors

@@ -163,7 +163,7 @@ class TierMachine(TierRules, ManagerMachine):
         self.bm = self.mgr._managers[0]
         self.live: dict[int, TextContext] = {}
         self.allocated: set[int] = set()
-        self.bm.pool._keyed().clock = lambda: self.now
+        self.bm.pool.keyed_order().clock = lambda: self.now
         self.conn = self.mgr.tiers.connectors[0]
         step = self.mgr.step
 

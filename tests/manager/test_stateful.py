@@ -75,7 +75,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.ops = 0
         self.now = 0.0
         self.hybrid = layout.startswith(("swa", "hybrid"))
-        self.bm.pool._keyed().clock = lambda: self.now  # retention expiry on a clock the test moves
+        self.bm.pool.keyed_order().clock = lambda: self.now  # retention expiry on a clock the test moves
 
     def _ready(self) -> list[TextContext]:
         """Requests that hold pages for their active window (they may run a forward pass)."""

@@ -26,21 +26,22 @@ holds no uncommitted page (first admission, or after `ctx.reset()`).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
-from pagedkv.core.block_checks import check_block_manager, check_manager_args
-from pagedkv.core.block_hooks import BlockHooks
 from pagedkv.core.block_pool import BlockPool
-from pagedkv.core.block_queries import BlockManagerQueries
-from pagedkv.core.context import RequestID, TextContext
+from pagedkv.core.checks import check_manager_args, check_tables
+from pagedkv.core.context import RequestID, Retention, TextContext, as_token_array
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.hashing import BlockHash, PrefixHasher
+from pagedkv.core.events import BlockHooks
+from pagedkv.core.hashing import BlockHash, PrefixHasher, check_salt
+from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy, Partial, make_partial_pages
-from pagedkv.core.tables import RequestPages, claimed_states
+from pagedkv.core.tables import BatchTables, RequestPages, SwappedPages, build_tables, claimed_states, more_keys
 
 __all__ = ["BlockManager"]
 
 
-class BlockManager(BlockManagerQueries):
+class BlockManager:
     """Request page tables, prefix caching and metrics of one replica. Holds no tensors."""
 
     def __init__(
@@ -221,7 +222,7 @@ class BlockManager(BlockManagerQueries):
         whose hash another page holds stops it (no merge), and `_announce` waits for `step`."""
         n_commit = min(n_commit, st.num_pages)
         if n_commit > len(st.hashes):
-            keys, st.digest = self._more_hashes(st, ctx, n_commit)
+            keys, st.digest = more_keys(self.hasher, st, ctx, n_commit)
             st.hashes.extend(keys)
         pages, hashes, first = st.pages, st.hashes, st.committed
         if n_commit > first:
@@ -256,6 +257,10 @@ class BlockManager(BlockManagerQueries):
             self.hooks.committed(hashes, first, n_commit, ctx.tokens.all, self.page_size)
 
     # ------------------------------------------------------------------ planning
+    def check_claimed(self, request_id: RequestID) -> None:
+        """ValueError unless `request_id` is claimed and not a dummy (what `alloc` and `step` need)."""
+        self._claimed(request_id)
+
     def _claimed(self, request_id: RequestID) -> RequestPages:
         st = self._reqs.get(request_id)
         if st is None:
@@ -290,39 +295,116 @@ class BlockManager(BlockManagerQueries):
         if lookup:
             stop = (min(len(tokens), tokens.current_position) - 1) // ps
             if stop > st.committed:
-                new_keys, digest = self._more_hashes(st, ctx, stop)
+                new_keys, digest = more_keys(self.hasher, st, ctx, stop)
                 hits = self.pool.lookup([*st.hashes, *new_keys], st.committed, stop)
         need = -(-need_tokens // ps) - st.num_pages - len(hits)
         if lookup and self._partial is not None:
             partial = self._partial.find(ctx, [*st.hashes, *new_keys], st.committed, hits, need)
         return hits, need, new_keys, digest, partial
 
-    def _more_hashes(self, st: RequestPages, ctx: TextContext, n_pages: int) -> tuple[list[BlockHash], bytes]:
-        """Keys of pages [len(st.hashes), n_pages) and the digest after them (not stored)."""
-        have = len(st.hashes)
-        if n_pages <= have:
-            return [], st.digest
-        if have or self.hasher.algo == "sha256_64":  # (sha256_64 keys are not their digests)
-            return self.hasher.extend(
-                ctx.tokens.all, have, n_pages, st.digest if have else self.hasher.root(ctx.cache_salt)
-            )
-        memo = ctx.key_cache  # a first lookup: this request's keys may be known from an earlier admission
-        root = self.hasher.root(ctx.cache_salt)  # (a memo from another root: another weights version)
-        if memo is None or memo[0] is not self.hasher or memo[1] != root:
-            memo = (self.hasher, root, [], root)
-        keys, digest = memo[2], memo[3]
-        if n_pages > len(keys):
-            more, digest = self.hasher.extend(ctx.tokens.all, len(keys), n_pages, digest)
-            keys = keys + more
-            ctx.key_cache = (self.hasher, root, keys, digest)
-        return keys[:n_pages], keys[n_pages - 1]  # type: ignore[return-value]
-
     def pages_needed(self, ctx: TextContext) -> tuple[int, int]:
         """(new pages, evictable hit pages) that `alloc(ctx)` would take from the free count."""
         hits, need, _, _, partial = self._plan(self._claimed(ctx.request_id), ctx)
         return max(need, 0), self.pool.count_unreferenced([*hits, *(partial[:1] if partial else ())])
 
+    # ------------------------------------------------------------------ swap preemption
+    # A swapped-out request's table taken apart and rebuilt (the tensor side copies the pages):
+    #     pages, record = bm.swap_snapshot(rid)   # the caller copies `pages` out, then release(rid)
+    #     todo = bm.swap_restore(ctx, record)     # same table shape; device-cached prefix pages reused
+    #     (the caller copies the swapped KV into the `todo` pages)
+    #     bm.swap_recommit(ctx, record)           # committed pages back in the prefix cache
+    # The context is never reset: the request resumes where it stopped.
+    def swap_snapshot(self, request_id: RequestID) -> tuple[list[int], SwappedPages]:
+        """The request's pages in logical order and its `SwappedPages`. No side effects."""
+        st = self._claimed(request_id)
+        record = SwappedPages(st.num_pages, st.committed, tuple(st.hashes), st.digest)
+        return st.pages[: st.num_pages].tolist(), record
+
+    def swap_restore(self, ctx: TextContext, record: SwappedPages) -> list[tuple[int, int]]:
+        """Claim ``ctx.request_id`` again with a table of ``record.num_pages`` pages: the leading
+        committed pages the device prefix cache still holds, then fresh pages.
+
+        Returns ``(logical index, page)`` for every fresh page: the caller must copy the swapped
+        KV of that index into it before the next forward. Raises `InsufficientBlocksError` /
+        `ValueError` and changes nothing when the pool lacks pages or the request is claimed.
+        """
+        if ctx.request_id in self._reqs:
+            raise ValueError(f"request {ctx.request_id!r} is claimed; only a released (swapped-out) request is restored")
+        pool = self.pool
+        hits = pool.lookup(list(record.hashes), 0, record.committed) if self.enable_prefix_caching else []
+        need = record.num_pages - len(hits)
+        available = pool.num_free - pool.count_unreferenced(hits)
+        if need > available:
+            raise InsufficientBlocksError(
+                f"Cannot get {need} free blocks to swap request {ctx.request_id!r} back in (only {available} "
+                f"available; {pool.num_used}/{pool.num_blocks} blocks currently in use)",
+                needed=need,
+                available=available,
+            )
+        st = self._reqs[ctx.request_id] = RequestPages()
+        pool.touch(hits)
+        fresh = pool.allocate(need)
+        st.append(hits)
+        st.append(fresh)
+        st.hashes = list(record.hashes)
+        st.digest = record.digest
+        st.committed = len(hits)
+        return [(len(hits) + i, page) for i, page in enumerate(fresh)]
+
+    def swap_recommit(self, ctx: TextContext, record: SwappedPages) -> None:
+        """Commit the restored pages that were committed before the swap (after their KV is back)."""
+        st = self._claimed(ctx.request_id)
+        if record.committed > st.committed:
+            self._commit(st, ctx, record.committed)
+
+    # ------------------------------------------------------------------ queries (no side effects)
+    def pin_prefix(self, tokens: Any, retention: Retention, cache_salt: str | None = None) -> int:
+        """Give the cached pages of the page-aligned prefix of `tokens` (as `cache_salt`'s chain) the
+        priority of `retention` (SGLang's pinned prefixes; priority 35 unpins). Returns pages found."""
+        array = as_token_array(tokens)
+        check_salt(cache_salt)
+        n = len(array) // self.page_size
+        keys, _ = self.hasher.extend(array, 0, n, self.hasher.root(cache_salt)) if n else ([], b"")
+        pages = self.pool.lookup(keys, 0, n)
+        self.pool.set_priority(pages, retention.priority, retention.duration_s)
+        return len(pages)
+
+    def get_req_blocks(self, request_id: RequestID) -> list[int]:
+        """The page ids of `request_id` in logical order (``[null]`` for a dummy)."""
+        st = self._reqs.get(request_id)
+        if st is None:
+            raise ValueError(f"request {request_id!r} is not claimed")
+        return [self.pool.null_block] if st.dummy else st.pages[: st.num_pages].tolist()
+
+    def request_ids(self) -> list[RequestID]:
+        """Every claimed request id."""
+        return list(self._reqs)
+
+    @property
+    def metrics(self) -> KVCacheMetrics:
+        """Counters since the last `reset_metrics` and a snapshot of page usage."""
+        return KVCacheMetrics.of(self.pool, self._input_tokens, self._cache_tokens, self._evictions_at_reset)
+
+    def reset_metrics(self) -> None:
+        """Zero the counters (page usage is a snapshot and stays)."""
+        self._input_tokens = self._cache_tokens = 0
+        self._evictions_at_reset = self.pool.num_evictions
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every evictable cached page from the prefix cache; returns how many."""
+        return self.pool.reset_prefix_cache()
+
+    def build_tables(self, batch: list[TextContext], max_cache_length: int | None = None) -> BatchTables:
+        """Lookup table and cache lengths for `batch` (see `BatchTables`). No side effects.
+
+        Raises ValueError when a request is unknown, repeated, or lacks pages
+        (`alloc` first), or when `max_cache_length` is below what the batch needs.
+        """
+        return build_tables(self._reqs, batch, self.page_size, self.num_speculative_tokens, self.pool.null_block,
+                            max_cache_length)  # fmt: skip
+
     # ------------------------------------------------------------------ invariants
     def check_integrity(self) -> None:
-        """Raise `IntegrityError` unless pool, prefix cache and request tables agree (see `block_checks`)."""
-        check_block_manager(self)
+        """Raise `IntegrityError` unless every request's committed pages hold its hashes, its other
+        pages are private and unhashed, and the pool's states and reference counts match the tables."""
+        check_tables(self.pool, self._reqs, self._partial)

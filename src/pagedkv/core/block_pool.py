@@ -42,29 +42,34 @@ its own prefix cache (the same prefix hash maps to a different page in each).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
-from pagedkv.core.arc import ArcState
-from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.evictor import HeapOrder
-from pagedkv.core.free_lists import LRU, NONE, PROBATION, PROTECTED, FreeLists
+from pagedkv.core.errors import InsufficientBlocksError, require
+from pagedkv.core.eviction import (
+    LRU,
+    MAX_PRIORITY,
+    NONE,
+    PROBATION,
+    PROTECTED,
+    ArcState,
+    FreeLists,
+    HeapOrder,
+    check_order,
+)
 from pagedkv.core.hashing import BlockHash
-from pagedkv.core.pool_checks import check_pool
-from pagedkv.core.pool_queries import PoolQueries
-from pagedkv.core.pool_retention import PoolRetention
 from pagedkv.validation import INT32_MAX, check_eviction, check_int
 
 __all__ = ["BlockPool"]
 
 
-class BlockPool(PoolQueries, PoolRetention):
+class BlockPool:
     """Page ids, ref counts, pins and the hash -> page prefix caches of one replica.
 
     `eviction_policy`: "lru"; "slru" (segmented LRU: cached pages never reused since they were
     cached are evicted before pages that served a hit, each segment in LRU order); or "lfu" (LFU with
-    dynamic aging, see `evictor`). `leaves_first`: never evict a page while its chain child is cached.
+    dynamic aging, see `eviction`). `leaves_first`: never evict a page while its chain child is cached.
     `protected_fraction`: at most this share of the pages sits in the protected list; a pinned page
     freed while it is full goes to the LRU like any other. Plain "lru"/"slru" evict from list heads;
     "lfu", `leaves_first` and retention priorities (`set_priority`) use a keyed `HeapOrder`.
@@ -109,7 +114,7 @@ class BlockPool(PoolQueries, PoolRetention):
         self.leaves_first = leaves_first
         self._order: HeapOrder | None = None
         if eviction_policy == "lfu" or leaves_first:
-            self._keyed()
+            self.keyed_order()
 
     # ------------------------------------------------------------------ mutations
     def touch(self, pages: Iterable[int]) -> None:
@@ -327,11 +332,167 @@ class BlockPool(PoolQueries, PoolRetention):
         self._fresh.extend(reversed(pages))
         return len(pages)
 
+    # ------------------------------------------------------------------ retention
+    def set_priority(self, pages: Iterable[int], priority: int, duration_s: float | None = None) -> None:
+        """Set the retention priority of cached `pages` (0..100, default 35; lower is evicted first) for
+        `duration_s` seconds of the pool clock (`_order.clock`; None: for as long as they stay cached)."""
+        check_int("priority", priority, 0)
+        if priority > MAX_PRIORITY:
+            raise ValueError(f"priority={priority} must be at most {MAX_PRIORITY}")
+        pages = list(pages)
+        for page in pages:
+            if self._hash[page] is None:
+                raise ValueError(f"page {page} is not cached: only cached pages take a retention priority")
+        order = self.keyed_order()
+        expires = None if duration_s is None else order.clock() + duration_s
+        for page in pages:
+            order.set_priority(page, priority, expires)
+
+    def retain(self, pages: Iterable[int], priority: int, duration_s: float | None) -> None:
+        """Raise the retention priority of cached `pages` to `priority` for `duration_s` seconds from
+        now (None: while cached); pages already at a higher priority keep theirs."""
+        order = self.keyed_order()
+        expires = None if duration_s is None else order.clock() + duration_s
+        current = order.priority
+        for page in pages:
+            if self._hash[page] is not None and current[page] <= priority:
+                order.set_priority(page, priority, expires)
+
+    def keyed_order(self) -> HeapOrder:
+        """The keyed eviction order, built on first use from the lists' current order."""
+        if self._order is None:
+            order = HeapOrder(self.num_blocks, self._lists, self._reused, self._stamp, self.eviction_policy,
+                              self.leaves_first)  # fmt: skip
+            for page in [*self._lists.pages(PROBATION), *self._lists.pages(LRU)]:
+                order.listed(page)
+            self._order = order
+        return self._order
+
+    # ------------------------------------------------------------------ queries (no side effects)
+    @property
+    def num_free(self) -> int:
+        """Pages an allocation can take: fresh plus cached free (protected ones included)."""
+        count = self._lists.count
+        return len(self._fresh) + count[LRU] + count[PROTECTED] + count[PROBATION]
+
+    @property
+    def num_protected(self) -> int:
+        """Free pinned pages (evicted last)."""
+        return self._lists.count[PROTECTED]
+
+    def is_protected(self, page: int) -> bool:
+        """True when `page` is free and pinned."""
+        return self._lists.where[page] == PROTECTED
+
+    def is_reused(self, page: int) -> bool:
+        """True when cached `page` served a hit or a merge since it was cached."""
+        return bool(self._reused[page])
+
+    def pin_count(self, page: int) -> int:
+        """Pins on `page` (0 when none)."""
+        return self._pins[page]
+
+    def stamp(self, page: int) -> int:
+        """The caching of `page` a pin taken now refers to (changes when it is evicted and re-cached)."""
+        return self._stamp[page]
+
+    @property
+    def num_used(self) -> int:
+        """Pages with ref > 0."""
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups sharing the pool."""
+        return len(self._caches)
+
+    @property
+    def num_cached(self) -> int:
+        """Pages that hold a hash (in use or evictable), over every group."""
+        return sum(len(c) for c in self._caches)
+
+    def ref_count(self, page: int) -> int:
+        """References to `page` (0 when free)."""
+        return self._ref[page]
+
+    def group_of(self, page: int) -> int:
+        """The group whose prefix cache holds cached `page` (meaningless for an uncached page)."""
+        return self._group[page]
+
+    def block_hash(self, page: int) -> BlockHash | None:
+        """The hash `page` is cached under, or None."""
+        return self._hash[page]
+
+    def cached_page(self, block_hash: BlockHash, group: int = 0) -> int | None:
+        """The page caching `block_hash` in `group`, or None."""
+        return self._caches[group].get(block_hash)
+
+    def lookup(self, hashes: list[BlockHash], start: int, stop: int, group: int = 0) -> list[int]:
+        """Cached pages for ``hashes[start:stop]`` in `group`, stopping at the first miss. No side effects."""
+        get = self._caches[group].get
+        hits: list[int] = []
+        for i in range(start, stop):
+            page = get(hashes[i])
+            if page is None:
+                break
+            hits.append(page)
+        return hits
+
+    def count_unreferenced(self, pages: Iterable[int]) -> int:
+        """How many of `pages` have ref 0 (touching them takes them out of the free count)."""
+        ref = self._ref
+        return sum(1 for p in pages if ref[p] == 0)
+
+    def free_order(self) -> list[int]:
+        """The free pages in the order allocations will take them."""
+        return [*reversed(self._fresh), *self.list_pages(PROBATION), *self.list_pages(LRU), *self.list_pages(PROTECTED)]
+
+    def list_pages(self, which: int) -> Iterator[int]:
+        """The pages of free list `which` (1: LRU, 2: protected, 3: SLRU probation), head first."""
+        return self._lists.pages(which)
+
+    # ------------------------------------------------------------------ invariants
     def check_integrity(self, holders: Mapping[int, int], pins: Mapping[int, int] | None = None) -> None:
-        """Raise `IntegrityError` unless every page is in exactly one state (see `pool_checks`).
+        """Raise `IntegrityError` unless each page is in use (ref = table references), cached and free
+        (in a free list, with a hash; protected iff pinned), or fresh (on the stack, no hash), and its
+        pins are the live pins the requests hold. O(pages): for tests and runtime checks.
 
         Args:
             holders: page -> number of references the request tables hold.
             pins: page -> live pins the requests hold (None: no pins expected).
         """
-        check_pool(self, holders, pins or {})
+        pins = pins or {}
+        n, ref, hashes, where = self.num_blocks, self._ref, self._hash, self._lists.where
+        fresh = list(self._fresh)
+        lists = [self._lists.checked_pages(which) for which in (LRU, PROTECTED, PROBATION)]
+        fresh_set, cached_set = set(fresh), {p for pages in lists for p in pages}
+        require(len(fresh_set) == len(fresh), f"fresh stack has duplicates: {sorted(fresh)}")
+        require(not fresh_set & cached_set, f"pages both fresh and cached-free: {sorted(fresh_set & cached_set)}")
+        require(all(0 <= p < n for p in holders), f"request tables name pages outside [0, {n})")
+        for page in range(n):
+            held = holders.get(page, 0)
+            require(ref[page] == held, f"page {page}: ref {ref[page]} but {held} table references")
+            is_free = page in fresh_set or page in cached_set
+            require(is_free == (held == 0), f"page {page}: ref {held} yet free={is_free}")
+            if page in fresh_set:
+                require(hashes[page] is None, f"fresh page {page} still has a hash")
+            n_pins = pins.get(page, 0)
+            require(self._pins[page] == n_pins, f"page {page}: {self._pins[page]} pins but requests hold {n_pins}")
+            require(not n_pins or hashes[page] is not None, f"page {page} is pinned but not cached")
+            if page in cached_set:
+                require(hashes[page] is not None, f"cached-free page {page} has no hash")
+                require(where[page] != PROTECTED or n_pins > 0, f"free page {page} is protected without a pin")
+            else:
+                require(where[page] == NONE, f"page {page} is marked in free list {where[page]} it is not in")
+        for g, cache in enumerate(self._caches):
+            for key, page in cache.items():
+                require(hashes[page] == key, f"prefix cache maps a hash to page {page}, which holds another")
+                require(self._group[page] == g, f"page {page} is cached in group {g} but marked {self._group[page]}")
+        require(self.num_protected <= self.max_protected,
+                f"{self.num_protected} protected pages, over the cap of {self.max_protected}")  # fmt: skip
+        n_hashed = sum(h is not None for h in hashes)
+        require(n_hashed == self.num_cached, f"{n_hashed} hashed pages but {self.num_cached} cache entries")
+        require(self.enable_prefix_caching or not self.num_cached, "prefix cache used while disabled")
+        if self._order is not None:
+            errors = check_order(self._order, hashes)
+            require(not errors, "; ".join(errors))

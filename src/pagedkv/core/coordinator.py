@@ -19,35 +19,43 @@ atomic alloc, tail-first release) and adds, per group:
   only their owner takes them back, and only when no other request holds
   pages (otherwise the caller preempts). Pages never dropped below `shared`
   (a hit or a merged commit) stay held outright.
+
+The structure is vLLM's `KVCacheCoordinator`: the coordinator owns one
+`BlockPool`, one page-policy manager per group (`managers.GroupManager`,
+chosen by the group's spec) and every request's tables
+(`hybrid_state.HybridRequest`). Single-group models use `BlockManager`,
+which keeps the same lifecycle with one table per request.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from pagedkv.core.block_manager import BlockManager
-from pagedkv.core.context import TextContext
-from pagedkv.core.coordinator_pages import PageSource
+from pagedkv.core.block_pool import BlockPool
+from pagedkv.core.checks import check_hybrid_tables, check_manager_args
+from pagedkv.core.context import RequestID, TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.errors import require as _require
-from pagedkv.core.hashing import BlockHash
-from pagedkv.core.hybrid_state import _FAR, HybridRequest, Plan, check_request, find_hit, release_order
+from pagedkv.core.events import BlockHooks
+from pagedkv.core.hashing import BlockHash, PrefixHasher
+from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, find_hit, release_order
 from pagedkv.core.managers import GroupManager
+from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.tables import (
     BatchTables,
     RequestPages,
     assemble_tables,
     check_batch,
     claimed_states,
+    more_keys,
     required_pages,
 )
 
 __all__ = ["KVCacheCoordinator"]
 
 
-class KVCacheCoordinator(PageSource, BlockManager):
+class KVCacheCoordinator:
     """Request tables, prefix caching and metrics of one replica, over `groups` sharing a pool."""
 
     def __init__(
@@ -64,14 +72,20 @@ class KVCacheCoordinator(PageSource, BlockManager):
         protected_fraction: float = 0.25,
         evict_leaves_first: bool = False,
     ) -> None:
-        super().__init__(
-            num_blocks, page_size, enable_prefix_caching=enable_prefix_caching, hash_algo=hash_algo,
-            hash_seed=hash_seed, num_speculative_tokens=num_speculative_tokens, num_groups=len(groups),
-            eviction_policy=eviction_policy, protected_fraction=protected_fraction,
-            evict_leaves_first=evict_leaves_first,
-        )  # fmt: skip
+        check_manager_args(page_size, enable_prefix_caching, num_speculative_tokens, hash_seed, evict_leaves_first)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, len(groups), eviction_policy, protected_fraction,
+                              evict_leaves_first)  # fmt: skip
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_speculative_tokens = num_speculative_tokens
+        self.hasher = PrefixHasher(hash_algo, page_size, hash_seed)
+        self.hooks = BlockHooks()  # (device removals reach listeners through `pool.on_removed`)
+        self._reqs: dict[RequestID, HybridRequest] = {}
+        self._input_tokens = 0
+        self._cache_tokens = 0
+        self._evictions_at_reset = 0
         self.groups = list(groups)
-        self._decoder = [g for g in self.groups if g.kind != "cross"]
+        self._decoder = [g for g in self.groups if not g.reads_encoder]
         self._windowed = [g for g in self.groups if g.lazy]
         self._decoder_ids = [g.group for g in self._decoder]
         self._cacheable_ids = [g.group for g in self.groups if g.cacheable]
@@ -81,7 +95,11 @@ class KVCacheCoordinator(PageSource, BlockManager):
         if request_id in self._reqs:
             raise ValueError(f"Request ID {request_id!r} is already claimed")
         tables = [RequestPages() for _ in self.groups]
-        self._reqs[request_id] = HybridRequest(tables, [g.kept_pages() for g in self.groups], dummy=dummy)  # type: ignore[assignment]
+        self._reqs[request_id] = HybridRequest(tables, [g.kept_pages() for g in self.groups], dummy=dummy)
+
+    def contains(self, request_id: RequestID) -> bool:
+        """True while `request_id` is claimed."""
+        return request_id in self._reqs
 
     def release(self, request_id: object) -> None:
         """Forget `request_id` and free every group's pages, tail first."""
@@ -89,8 +107,8 @@ class KVCacheCoordinator(PageSource, BlockManager):
         if st is None:
             raise ValueError(f"Attempted to release request ID {request_id!r} but it is not claimed")
         del self._reqs[request_id]
-        self.pool.unpin(st.pinned)  # type: ignore[attr-defined]
-        pages, held = release_order(self, st)  # type: ignore[arg-type]
+        self.pool.unpin(st.pinned)
+        pages, held = release_order(self.groups, self.pool, st)
         self.pool.release(pages, held)
 
     # ----------------------------------------------------------------- alloc
@@ -108,12 +126,12 @@ class KVCacheCoordinator(PageSource, BlockManager):
             st is not None
             and tokens._end - tokens._processed == 1
             and tokens._end == tokens._len  # (a one-token prefill chunk is not a decode step)
-            and tokens._len + self.num_speculative_tokens <= st.ready  # type: ignore[attr-defined]
-            and tokens._processed < st.next_drop  # type: ignore[attr-defined]
+            and tokens._len + self.num_speculative_tokens <= st.ready
+            and tokens._processed < st.next_drop
         ):
             self._input_tokens += 1
             return
-        hst: HybridRequest = self._claimed(ctx.request_id)  # type: ignore[assignment]
+        hst = self._claimed(ctx.request_id)
         decoding = tokens._end - tokens._processed == 1 and tokens._end == tokens._len
         if decoding and self._decode_step(hst, tokens._len, tokens._processed):
             return
@@ -152,13 +170,13 @@ class KVCacheCoordinator(PageSource, BlockManager):
         if self.enable_prefix_caching and tokens.active_length > 1 and st.num_pages == st.committed:
             stop = (min(len(tokens), tokens.current_position) - 1) // ps
             if stop > st.committed:
-                new_keys, digest = self._more_hashes(st, ctx, stop)  # type: ignore[arg-type]
+                new_keys, digest = more_keys(self.hasher, st, ctx, stop)
                 hit, hit_pages, pins = find_hit(self.groups, self.pool, st, [*st.hashes, *new_keys], stop)
         processed = max(tokens.processed_length, hit * ps)
         drops, new = [], []
         for g, gm in enumerate(self.groups):
             have = st.tables[g].num_pages + len(hit_pages[g])
-            if gm.kind == "cross":
+            if gm.reads_encoder:
                 drops.append((0, 0))
                 new.append(required_pages(ctx.encoder_length, ps) if have == 0 else 0)
                 continue
@@ -212,11 +230,114 @@ class KVCacheCoordinator(PageSource, BlockManager):
     def _refresh(self, st: HybridRequest) -> None:
         tables = st.tables
         st.ready = (
-            min([tables[g].num_pages for g in self._decoder_ids], default=_FAR // self.page_size) * self.page_size
+            min([tables[g].num_pages for g in self._decoder_ids], default=FAR // self.page_size) * self.page_size
         )
-        st.next_drop = min([g.drop_threshold(st.dropped[g.group]) for g in self._windowed], default=_FAR)
+        st.next_drop = min([g.drop_threshold(st.dropped[g.group]) for g in self._windowed], default=FAR)
+
+    # ----------------------------------------------------------------- page supply
+    def _freed_by(self, st: HybridRequest, plan: Plan) -> int:
+        """Pages the plan's drops free for this request to take: uncached ones (fresh stack), and
+        cached ones nobody else pins when it may recycle its own protected pages (`_alone`)."""
+        pool, null, own_ok = self.pool, self.pool.null_block, self._alone(st)
+        count = 0
+        for g, (lo, hi) in enumerate(plan.drops):
+            pages = st.tables[g].pages
+            for i in range(lo, min(hi, st.tables[g].num_pages)):
+                page = int(pages[i])
+                if page != null and pool.ref_count(page) == 1:
+                    count += pool.block_hash(page) is None or (own_ok and pool.pin_count(page) == 0)
+        return count
+
+    def _available(self, st: HybridRequest, plan: Plan) -> int:
+        """A lower bound on what `_take` finds once the plan's hits, pins and drops are applied:
+        free unprotected pages, minus the free hits it takes out and the free pages its pins may
+        move to the protected list, plus `_freed_by` and its own protected pages (`_own`)."""
+        pool, null, own_ok = self.pool, self.pool.null_block, self._alone(st)
+        hits = {p for pages in plan.hit_pages for p in pages if p != null}
+        lost = sum(1 for p in hits if pool.ref_count(p) == 0 and not pool.is_protected(p))
+        lost += sum(
+            1
+            for p in plan.pins  # a page only st pins stays takeable when own_ok
+            if pool.ref_count(p) == 0 and not pool.is_protected(p) and not (own_ok and pool.pin_count(p) == 0)
+        )
+        return pool.num_free - pool.num_protected - lost + self._freed_by(st, plan) + len(self._own(st))
+
+    def _alone(self, st: HybridRequest) -> bool:
+        """True when no other request holds pages: only then does `st` recycle its own protected
+        pages (otherwise the caller preempts, which keeps every cached prefix whole)."""
+        return not any(o is not st and o.num_pages for o in self._reqs.values())
+
+    def _own(self, st: HybridRequest) -> list[int]:
+        """Free protected pages only `st` pins, deepest first, when `_alone`; else none."""
+        pool = self.pool
+        if not st.pinned or not self._alone(st):
+            return []
+        return [
+            p for p, s in reversed(st.pinned) if pool.stamp(p) == s and pool.is_protected(p) and pool.pin_count(p) == 1
+        ]
+
+    def _take(self, st: HybridRequest, n: int) -> list[int]:
+        """`n` pages: fresh, probation and LRU ones first, then `st`'s own protected ones."""
+        pool = self.pool
+        k = min(n, pool.num_free - pool.num_protected)
+        pages = pool.allocate(k) if k else []
+        if k < n:
+            pages.extend(pool.take(self._own(st)[: n - k]))
+            st.pinned = [(p, s) for p, s in st.pinned if pool.stamp(p) == s]
+        _require(len(pages) == n, f"took {len(pages)} of {n} pages the capacity check promised")
+        return pages
+
+    def _decode_step(self, st: HybridRequest, length: int, processed: int) -> bool:
+        """One decode token of a running request, done directly: drop what the window groups no
+        longer read, then open the page each decoder group lacks. The same result as the general
+        path; False (nothing done) when that path must decide: first alloc, a stale context, a
+        dummy, or too few unprotected free pages."""
+        pool, ps = self.pool, self.page_size
+        if st.dummy or not st.ready or processed > st.ready:
+            return False
+        need = required_pages(length + self.num_speculative_tokens, ps)
+        tables = st.tables
+        short = [t for t in [tables[g] for g in self._decoder_ids] if t.num_pages < need]
+        total = need * len(short) - sum([t.num_pages for t in short])
+        if total > pool.num_free - pool.num_protected:  # drops only add free pages: this is enough
+            return False
+        if processed >= st.next_drop:
+            self._drop(st, processed)
+            st.next_drop = min([g.drop_threshold(st.dropped[g.group]) for g in self._windowed])
+        if total:
+            pages = pool.allocate(total)
+            if total == len(short):  # one page each (no draft slots): item stores
+                for table, page in zip(short, pages, strict=True):
+                    table.push(page)
+            else:
+                i = 0
+                for table in short:
+                    table.append(pages[i : i + need - table.num_pages])
+                    i += need - table.num_pages
+            st.ready = need * ps  # every decoder table now holds `need` pages or more
+        self._input_tokens += 1
+        return True
+
+    def _drop(self, st: HybridRequest, processed: int) -> None:
+        """Return the pages no query from `processed` on reads (as `_plan_alloc` + `_apply` do)."""
+        null, freed = self.pool.null_block, list[int]()
+        for gm in self._windowed:
+            g, table = gm.group, st.tables[gm.group]
+            keep = max(st.dropped[g], st.shared)
+            hi = max(keep, min(gm.droppable_pages(processed), table.num_pages))
+            end = min(hi, table.num_pages)
+            freed.extend(p for p in table.pages[keep:end].tolist() if p != null)
+            table.pages[keep:end] = null
+            st.dropped[g] = hi
+        cached = self.pool.block_hash
+        st.pinned.extend(self.pool.pin(p for p in freed if cached(p) is not None))
+        self.pool.free(reversed(freed))
 
     # ----------------------------------------------------------------- step
+    def step(self, ctx: TextContext) -> None:
+        """Commit every group's full written pages of ``ctx`` (no-op without prefix caching or for a dummy)."""
+        self.step_batch((ctx,))
+
     def step_batch(self, batch: Iterable[TextContext]) -> None:
         """Commit every group's full written pages of each request (no-op without prefix caching)."""
         reqs, ps, caching = self._reqs, self.page_size, self.enable_prefix_caching
@@ -228,11 +349,11 @@ class KVCacheCoordinator(PageSource, BlockManager):
             tokens = ctx.tokens
             n_commit = min(tokens._processed, tokens._len - 1) // ps
             if n_commit > st.committed:
-                self._commit_groups(st, ctx, n_commit)  # type: ignore[arg-type]
+                self._commit_groups(st, ctx, n_commit)
 
     def _commit_groups(self, st: HybridRequest, ctx: TextContext, n_commit: int) -> None:
         if n_commit > len(st.hashes):
-            keys, st.digest = self._more_hashes(st, ctx, n_commit)  # type: ignore[arg-type]
+            keys, st.digest = more_keys(self.hasher, st, ctx, n_commit)
             st.hashes.extend(keys)
         null, commit, lo = self.pool.null_block, self.pool.commit, st.committed
         for g in self._cacheable_ids:
@@ -253,12 +374,12 @@ class KVCacheCoordinator(PageSource, BlockManager):
         st = self._reqs.get(request_id)
         if st is None:
             raise ValueError(f"request {request_id!r} is not claimed")
-        table = st.tables[group]  # type: ignore[attr-defined]
+        table = st.tables[group]
         return [self.pool.null_block] if st.dummy else table.pages[: table.num_pages].tolist()
 
     def pages_needed(self, ctx: TextContext) -> tuple[int, int]:
         """(new pages net of drops, evictable hit pages) that `alloc(ctx)` would take. No side effects."""
-        st: HybridRequest = self._claimed(ctx.request_id)  # type: ignore[assignment]
+        st = self._claimed(ctx.request_id)
         plan = self._plan_alloc(st, ctx)
         return max(0, sum(plan.new) - self._freed_by(st, plan)), self._evictable_hits(plan)
 
@@ -272,7 +393,7 @@ class KVCacheCoordinator(PageSource, BlockManager):
             rows, lengths, ends = [], [], []
             for ctx, st in zip(batch, states, strict=True):
                 tokens = ctx.tokens
-                if gm.kind == "cross":  # queries attend the encoder's tokens, all of them already stored
+                if gm.reads_encoder:  # queries attend the encoder's tokens, all of them already stored
                     cached = end = slots = ctx.encoder_length
                 else:
                     cached, end = tokens.processed_length, tokens.current_position
@@ -281,7 +402,7 @@ class KVCacheCoordinator(PageSource, BlockManager):
                 lengths.append(cached)
                 ends.append(end)
             tables = assemble_tables(rows, lengths, ends, ps, self.pool.null_block, max_cache_length)
-            if gm.kind == "cross":  # the queries are the decoder's: its longest active window
+            if gm.reads_encoder:  # the queries are the decoder's: its longest active window
                 queries = max((c.tokens.current_position - c.tokens.processed_length for c in batch), default=0)
                 tables = dataclasses.replace(tables, max_prompt_length=queries)
             out.append(tables)
@@ -291,17 +412,36 @@ class KVCacheCoordinator(PageSource, BlockManager):
         """The tables of group 0 (use `build_group_tables` for every group)."""
         return self.build_group_tables(batch, max_cache_length)[0]
 
+    def request_ids(self) -> list[RequestID]:
+        """Every claimed request id."""
+        return list(self._reqs)
+
+    @property
+    def metrics(self) -> KVCacheMetrics:
+        """Counters since the last `reset_metrics` and a snapshot of page usage."""
+        return KVCacheMetrics.of(self.pool, self._input_tokens, self._cache_tokens, self._evictions_at_reset)
+
+    def reset_metrics(self) -> None:
+        """Zero the counters (page usage is a snapshot and stays)."""
+        self._input_tokens = self._cache_tokens = 0
+        self._evictions_at_reset = self.pool.num_evictions
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every evictable, unpinned cached page of every group; returns how many."""
+        return self.pool.reset_prefix_cache()
+
+    def check_claimed(self, request_id: RequestID) -> None:
+        """ValueError unless `request_id` is claimed and not a dummy (what `alloc` and `step` need)."""
+        self._claimed(request_id)
+
+    def _claimed(self, request_id: RequestID) -> HybridRequest:
+        st = self._reqs.get(request_id)
+        if st is None:
+            raise ValueError(f"request {request_id!r} is not claimed: call claim() first")
+        if st.dummy:
+            raise ValueError(f"request {request_id!r} is a dummy (alloc_dummy); it cannot alloc or step")
+        return st
+
     def check_integrity(self) -> None:
         """Raise `IntegrityError` unless pool, prefix caches and every group's tables agree."""
-        null, stamp = self.pool.null_block, self.pool.stamp
-        holders: Counter[int] = Counter()
-        pins: Counter[int] = Counter()
-        for rid, st in self._reqs.items():
-            hst: HybridRequest = st  # type: ignore[assignment]
-            pins.update(p for p, s in hst.pinned if stamp(p) == s)
-            _require(hst.committed <= len(hst.hashes) or not self.enable_prefix_caching,
-                     f"request {rid!r}: committed={hst.committed} exceeds its hashes")  # fmt: skip
-            for table in hst.tables:
-                holders.update(p for p in table.pages[: table.num_pages].tolist() if p != null)
-            check_request(self, rid, hst)
-        self.pool.check_integrity(holders, pins)
+        check_hybrid_tables(self.pool, self.groups, self._reqs, self.enable_prefix_caching)

@@ -1,4 +1,4 @@
-"""KV cache events (vLLM's `BlockStored`, `BlockRemoved`, `AllBlocksCleared`), pure Python.
+"""KV cache events (vLLM's `BlockStored`, `BlockRemoved`, `AllBlocksCleared`) and the hooks that raise them, pure Python.
 
 The bookkeeping and the tiers `emit` events into a `KVEventQueue`;
 `PagedKVCacheManager` drains it once per `step` into a numbered
@@ -11,12 +11,16 @@ the device), "CPU" (host tier), "DISK", "REDIS".
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedkv.core.hashing import BlockHash
 
-__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEvent", "KVEventBatch", "KVEventQueue"]
+__all__ = [
+    "AllBlocksCleared", "BlockHooks", "BlockRemoved", "BlockStored", "EventSink", "KVEvent", "KVEventBatch",
+    "KVEventQueue", "Loader",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -86,3 +90,29 @@ class KVEventQueue:
 
 
 EventSink = Callable[[KVEvent], None]
+
+# loader(device pages, their prefix hashes) -> how many leading pages it filled from a tier
+Loader = Callable[[Sequence[int], Sequence[BlockHash]], int]
+
+
+@dataclass
+class BlockHooks:
+    """Attributes:
+    loader: fills new pages from the tiers during `alloc` (after the device prefix cache).
+    emit: receives `BlockStored` for pages committed on the device.
+    offloads: when a list, `step` appends ``(parent hash, hashes)`` for each run of newly
+        committed pages, for the tiers to copy.
+    """
+
+    loader: Loader | None = None
+    emit: EventSink | None = None
+    offloads: list[tuple[BlockHash | None, list[BlockHash]]] | None = None
+
+    def committed(self, hashes: list[BlockHash], first: int, stop: int, tokens: Any, page_size: int) -> None:
+        """Pages [first, stop) of a request were committed (`tokens`: the request's token array)."""
+        parent = hashes[first - 1] if first else None
+        if self.offloads is not None:
+            self.offloads.append((parent, hashes[first:stop]))
+        if self.emit is not None:
+            ids = [int(t) for t in tokens[first * page_size : stop * page_size]]
+            self.emit(BlockStored(hashes[first:stop], parent, ids, page_size))

@@ -1,23 +1,18 @@
-"""Per-request state of `KVCacheCoordinator` and its invariants."""
+"""Per-request state of `KVCacheCoordinator` and the prefix-hit search over its groups (pure Python)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from pagedkv.core.errors import require as _require
+from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.hashing import BlockHash
+from pagedkv.core.managers import GroupManager
 from pagedkv.core.tables import RequestPages
 
-if TYPE_CHECKING:  # pragma: no cover
-    from pagedkv.core.block_pool import BlockPool
-    from pagedkv.core.coordinator import KVCacheCoordinator
-    from pagedkv.core.managers import GroupManager
+__all__ = ["FAR", "HybridRequest", "Plan", "find_hit", "prefix_misses", "release_order"]
 
-__all__ = ["HybridRequest", "Plan", "check_request", "find_hit", "prefix_misses", "release_order"]
-
-_FAR = 1 << 62
+FAR = 1 << 62  # a token position no request reaches
 
 
 @dataclass(slots=True, eq=False)
@@ -33,7 +28,7 @@ class HybridRequest:
     digest: bytes = b""
     dummy: bool = False
     ready: int = 0  # token slots every decoder group holds pages for (decode fast path)
-    next_drop: int = _FAR  # processed position at which some group drops its next page
+    next_drop: int = FAR  # processed position at which some group drops its next page
 
     @property
     def num_pages(self) -> int:
@@ -54,28 +49,6 @@ class Plan:
     pins: list[int]  # cached pages of the hit out of the window: pinned, not held
 
 
-def check_request(coordinator: KVCacheCoordinator, rid: object, st: HybridRequest) -> None:
-    """Raise `IntegrityError` unless each group's table of `st` is consistent with the pool."""
-    pool, null = coordinator.pool, coordinator.pool.null_block
-    for g, (gm, table) in enumerate(zip(coordinator.groups, st.tables, strict=True)):
-        pages = table.pages[: table.num_pages].tolist()
-        _require(not (st.dummy and pages), f"dummy request {rid!r} holds pages")
-        for i, page in enumerate(pages):
-            if page == null:
-                _require(gm.lazy and gm.kept_pages() <= i < st.dropped[g], f"{rid!r} group {g} entry {i} is null")
-                continue
-            _require(
-                not (gm.lazy and max(gm.kept_pages(), st.shared) <= i < st.dropped[g]),
-                f"{rid!r} group {g} kept dropped entry {i}",
-            )
-            if i < st.committed and gm.cacheable:
-                _require(pool.block_hash(page) == st.hashes[i] and pool._group[page] == g,
-                         f"{rid!r} group {g} page {i} ({page}) is not cached under its hash")  # fmt: skip
-            else:
-                _require(pool.block_hash(page) is None and pool.ref_count(page) == 1,
-                         f"{rid!r} group {g} private page {page} is shared or hashed")  # fmt: skip
-
-
 def prefix_misses(pages: list[int | None]) -> list[int]:
     """misses[k] = how many of pages[:k] are None."""
     out = [0]
@@ -84,7 +57,7 @@ def prefix_misses(pages: list[int | None]) -> list[int]:
     return out
 
 
-def release_order(coordinator: KVCacheCoordinator, st: HybridRequest) -> tuple[list[int], list[bool]]:
+def release_order(groups: Sequence[GroupManager], pool: BlockPool, st: HybridRequest) -> tuple[list[int], list[bool]]:
     """Every group's pages, deepest position first, groups interleaved; dropped window pages
     still cached come along unheld, so they get the same recency as the rest of the prefix.
 
@@ -92,7 +65,7 @@ def release_order(coordinator: KVCacheCoordinator, st: HybridRequest) -> tuple[l
     group never loses the pages a hit needs while the full group's pages of that prefix
     (useless without them) stay cached, which is how vLLM's hit rate collapses.
     """
-    null, cached = coordinator.pool.null_block, coordinator.pool.cached_page
+    null, cached = pool.null_block, pool.cached_page
     tables = [t.pages[: t.num_pages].tolist() for t in st.tables]
     pages: list[int] = []
     held: list[bool] = []
@@ -101,7 +74,7 @@ def release_order(coordinator: KVCacheCoordinator, st: HybridRequest) -> tuple[l
             if i < len(table) and table[i] != null:
                 pages.append(table[i])
                 held.append(True)
-            elif i < min(st.committed, len(st.hashes)) and coordinator.groups[g].cacheable:
+            elif i < min(st.committed, len(st.hashes)) and groups[g].cacheable:
                 page = cached(st.hashes[i], g)
                 if page is not None:
                     pages.append(page)

@@ -13,24 +13,37 @@ to the pool (the table keeps the null page in its place)::
 
 from __future__ import annotations
 
-from typing import Any
+from pagedkv.interface.specs import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+)
 
 __all__ = [
     "GroupManager", "FullAttentionManager", "SlidingWindowManager", "ChunkedLocalAttentionManager",
-    "SinkAttentionManager", "CrossAttentionManager", "MLAAttentionManager", "manager_for",
+    "SinkAttentionManager", "CrossAttentionManager", "MLAAttentionManager", "SPEC_MANAGERS", "manager_for",
 ]  # fmt: skip
 
 
 class GroupManager:
     """Full attention: every page stays while the request runs; hits are any cached prefix."""
 
-    kind = "full"
     lazy = False  # window types allocate only up to the active window, not the whole prompt
     cacheable = True  # takes part in prefix caching
+    reads_encoder = False  # pages hold the encoder's tokens, written once (cross-attention)
 
     def __init__(self, group: int, page_size: int) -> None:
         self.group = group
         self.page_size = page_size
+
+    @classmethod
+    def from_spec(cls, group: int, spec: AttentionSpec) -> GroupManager:
+        """The manager of group `group`, whose layers all have `spec` (`spec.block_size` is the page size)."""
+        return cls(group, spec.block_size)
 
     def first_needed(self, query_position: int) -> int:
         """Earliest key position a query at `query_position` or later attends to."""
@@ -67,12 +80,16 @@ class MLAAttentionManager(GroupManager):
 class SlidingWindowManager(GroupManager):
     """A query at q sees keys (q - W, q]: pages wholly before q - W + 1 go back to the pool."""
 
-    kind = "sliding"
     lazy = True
 
     def __init__(self, group: int, page_size: int, window: int) -> None:
         super().__init__(group, page_size)
         self.window = window
+
+    @classmethod
+    def from_spec(cls, group: int, spec: AttentionSpec) -> GroupManager:
+        assert isinstance(spec, SlidingWindowSpec)
+        return cls(group, spec.block_size, spec.sliding_window)
 
     def first_needed(self, query_position: int) -> int:
         return max(0, query_position - self.window + 1)
@@ -87,12 +104,16 @@ class SlidingWindowManager(GroupManager):
 class ChunkedLocalAttentionManager(GroupManager):
     """Llama 4 local attention: a query sees its own chunk; earlier chunks' pages go back to the pool."""
 
-    kind = "chunked"
     lazy = True
 
     def __init__(self, group: int, page_size: int, chunk: int) -> None:
         super().__init__(group, page_size)
         self.chunk = chunk
+
+    @classmethod
+    def from_spec(cls, group: int, spec: AttentionSpec) -> GroupManager:
+        assert isinstance(spec, ChunkedLocalAttentionSpec)
+        return cls(group, spec.block_size, spec.attention_chunk_size)
 
     def first_needed(self, query_position: int) -> int:
         return query_position // self.chunk * self.chunk
@@ -108,11 +129,16 @@ class ChunkedLocalAttentionManager(GroupManager):
 class SinkAttentionManager(SlidingWindowManager):
     """Sliding window that always keeps the first `sinks` tokens' pages (StreamingLLM)."""
 
-    kind = "sink"
-
     def __init__(self, group: int, page_size: int, window: int, sinks: int) -> None:
         super().__init__(group, page_size, window)
         self.sinks = sinks
+
+    @classmethod
+    def from_spec(cls, group: int, spec: AttentionSpec) -> GroupManager:
+        assert isinstance(spec, SinkFullAttentionSpec)
+        if spec.sliding_window is None:  # sinks without a window: every token is kept anyway
+            return FullAttentionManager(group, spec.block_size)
+        return cls(group, spec.block_size, spec.sliding_window, spec.sink_len)
 
     def kept_pages(self) -> int:
         return -(-self.sinks // self.page_size)
@@ -131,18 +157,26 @@ class SinkAttentionManager(SlidingWindowManager):
 class CrossAttentionManager(GroupManager):
     """Cross-attention: the encoder's pages, allocated once per request, never prefix-cached."""
 
-    kind = "cross"
     cacheable = False
+    reads_encoder = True
 
 
-def manager_for(kind: str, group: int, page_size: int, params: Any) -> GroupManager:
-    """The manager of a cache whose `attention_kind` is `kind` (params: a `KVCacheParams`)."""
-    if kind == "sliding":
-        return SlidingWindowManager(group, page_size, params.sliding_window)
-    if kind == "chunked":
-        return ChunkedLocalAttentionManager(group, page_size, params.attention_chunk_size)
-    if kind == "sink":
-        return SinkAttentionManager(group, page_size, params.sliding_window, params.sink_tokens)
-    if kind == "cross":
-        return CrossAttentionManager(group, page_size)
-    return MLAAttentionManager(group, page_size) if params.is_mla else FullAttentionManager(group, page_size)
+SPEC_MANAGERS: dict[type[AttentionSpec], type[GroupManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    MLAAttentionSpec: MLAAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+    SinkFullAttentionSpec: SinkAttentionManager,
+    CrossAttentionSpec: CrossAttentionManager,
+}
+"""The page-policy manager of each spec type (a spec subclass takes its nearest listed base's, as
+`SlidingWindowMLASpec` takes `SlidingWindowSpec`'s), as vLLM's `spec_manager_map`."""
+
+
+def manager_for(group: int, spec: AttentionSpec) -> GroupManager:
+    """The manager of group `group`, whose layers have `spec`; TypeError for a spec no manager serves."""
+    for cls in type(spec).__mro__:
+        manager = SPEC_MANAGERS.get(cls)
+        if manager is not None:
+            return manager.from_spec(group, spec)
+    raise TypeError(f"no KV cache manager serves {type(spec).__name__}")

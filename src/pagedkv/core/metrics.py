@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 __all__ = ["KVCacheMetrics"]
 
@@ -16,8 +17,6 @@ class KVCacheMetrics:
             `alloc` (decode steps count one each), after prefix-cache hits.
         cache_tokens: tokens served from the cache instead of computed.
         evictions: cached pages whose hash was dropped to make room.
-        h2d_blocks_copied / d2h_blocks_copied: pages loaded from / offloaded to host.
-        disk_blocks_written / disk_blocks_read: pages moved to / from disk.
         used_pages / total_pages: device pages in use and in the pool (snapshot).
         cached_pages: device pages holding a prefix-cache hash (snapshot).
     """
@@ -25,13 +24,21 @@ class KVCacheMetrics:
     input_tokens: int = 0
     cache_tokens: int = 0
     evictions: int = 0
-    h2d_blocks_copied: int = 0
-    d2h_blocks_copied: int = 0
-    disk_blocks_written: int = 0
-    disk_blocks_read: int = 0
     used_pages: int = 0
     total_pages: int = 0
     cached_pages: int = 0
+
+    @classmethod
+    def of(cls, pool: Any, input_tokens: int, cache_tokens: int, evictions_at_reset: int) -> KVCacheMetrics:
+        """The counters of a manager over `pool` (a `BlockPool`), with its page usage now."""
+        return cls(
+            input_tokens=input_tokens,
+            cache_tokens=cache_tokens,
+            evictions=pool.num_evictions - evictions_at_reset,
+            used_pages=pool.num_used,
+            total_pages=pool.num_blocks,
+            cached_pages=pool.num_cached,
+        )
 
     @property
     def prompt_tokens(self) -> int:

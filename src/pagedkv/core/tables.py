@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 
 from pagedkv.core.context import TextContext
-from pagedkv.core.hashing import BlockHash
+from pagedkv.core.hashing import BlockHash, PrefixHasher
 from pagedkv.validation import INT32_MAX, check_int
 
-__all__ = ["RequestPages", "BatchTables", "assemble_tables", "build_tables", "check_batch", "claimed_states",
-           "lut_columns"]  # fmt: skip
+__all__ = ["RequestPages", "BatchTables", "SwappedPages", "assemble_tables", "build_tables", "check_batch",
+           "claimed_states", "lut_columns", "more_keys", "required_pages"]  # fmt: skip
 
 _NO_PAGES = np.zeros(0, dtype=np.int32)
 
@@ -48,6 +48,38 @@ class RequestPages:
             self.num_pages = n + 1
         else:
             self.append((page,))
+
+
+@dataclass(frozen=True)
+class SwappedPages:
+    """A swapped-out request's table, enough to rebuild it page for page (`BlockManager.swap_restore`)."""
+
+    num_pages: int
+    committed: int  # leading pages that were in the prefix cache
+    hashes: tuple[BlockHash, ...]
+    digest: bytes
+
+
+def more_keys(hasher: PrefixHasher, st: Any, ctx: TextContext, n_pages: int) -> tuple[list[BlockHash], bytes]:
+    """Prefix-cache keys of pages ``[len(st.hashes), n_pages)`` of request `st` (a `RequestPages` or a
+    hybrid request: anything with `hashes` and `digest`) and the chain digest after them. Stores
+    nothing in `st`; on a first lookup it memoises the keys in ``ctx.key_cache`` so a re-admitted
+    request does not hash its prompt again."""
+    have = len(st.hashes)
+    if n_pages <= have:
+        return [], st.digest
+    if have or hasher.algo == "sha256_64":  # (sha256_64 keys are not their digests)
+        return hasher.extend(ctx.tokens.all, have, n_pages, st.digest if have else hasher.root(ctx.cache_salt))
+    memo = ctx.key_cache  # a first lookup: this request's keys may be known from an earlier admission
+    root = hasher.root(ctx.cache_salt)  # (a memo from another root: another weights version)
+    if memo is None or memo[0] is not hasher or memo[1] != root:
+        memo = (hasher, root, [], root)
+    keys, digest = memo[2], memo[3]
+    if n_pages > len(keys):
+        more, digest = hasher.extend(ctx.tokens.all, len(keys), n_pages, digest)
+        keys = keys + more
+        ctx.key_cache = (hasher, root, keys, digest)
+    return keys[:n_pages], keys[n_pages - 1]
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,4 +1,4 @@
-"""vLLM's `kv_cache_interface` (seed 004) for pagedkv: per-layer specs, groups, and the shared pool layout.
+"""vLLM's `vllm.v1.kv_cache_interface` for pagedkv: per-layer specs, groups, and the shared pool layout.
 
 Specs and configs are torch-free frozen dataclasses (`reshape_kv_cache` imports
 torch when called). `params_from_kv_cache_config` / `kv_cache_config_from_params`

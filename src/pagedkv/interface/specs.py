@@ -1,4 +1,4 @@
-"""KV cache specs of one layer, vLLM's `kv_cache_interface` (seed 004), torch-free.
+"""KV cache specs of one layer, vLLM's `vllm.v1.kv_cache_interface`, torch-free.
 
 A spec says what one layer stores per token and how many tokens it keeps:
 full attention keeps every token; a sliding window keeps the last W; chunked

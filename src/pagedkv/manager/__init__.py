@@ -1,4 +1,4 @@
-"""KV cache managers (seed 001 and 003) and the inputs they hand to a model."""
+"""KV cache managers (MAX's `KVCacheManager` family and `PagedKVCacheManager`) and the inputs they hand to a model."""
 
 from pagedkv.manager.base import KVCacheManager
 from pagedkv.manager.continuous import ContinuousBatchingKVCacheManager

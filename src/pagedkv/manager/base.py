@@ -1,4 +1,4 @@
-"""`KVCacheManager`: MAX's abstract slot-based manager (seed 001).
+"""`KVCacheManager`: MAX's abstract slot-based manager (`max.nn.kv_cache.manager`).
 
 A manager hands out integer sequence ids (`claim`), returns the KV inputs of
 a batch of contexts bound to those ids (`fetch`), and takes them back
@@ -180,7 +180,7 @@ class KVCacheManager(ABC, Generic[T]):
 
 
 def check_redundant_args(params: KVCacheParams, num_layers: int | None, devices: Sequence[DeviceRef] | None) -> None:
-    """The seed's planning signatures repeat `num_layers` and `devices`; they must match `params`."""
+    """MAX's planning signatures repeat `num_layers` and `devices`; they must match `params`."""
     if num_layers is not None and num_layers != params.num_layers:
         raise ValueError(f"num_layers={num_layers} differs from params.num_layers={params.num_layers}")
     if devices is not None and tuple(devices) != tuple(params.devices):

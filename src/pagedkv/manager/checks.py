@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.context import TextContext, check_request_id
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.tables import check_batch
@@ -84,7 +83,7 @@ def check_batches(batches: Any, num_replicas: int) -> None:
                 check_context(ctx, f"batches[{r}] item")
 
 
-def check_step(managers: Sequence[BlockManager], batches: Any) -> None:
+def check_step(managers: Sequence[Any], batches: Any) -> None:
     """`step`: every replica's batch holds claimed requests, none twice (checked before any commit).
 
     This runs once per step over every request, so the common case is decided with C-level set
@@ -99,7 +98,7 @@ def check_step(managers: Sequence[BlockManager], batches: Any) -> None:
             check_batch(bm._reqs, batch)  # raises: unknown or repeated request
 
 
-def check_group(bm: BlockManager, group: Any) -> None:
+def check_group(bm: Any, group: Any) -> None:
     """`get_req_blocks`: `group` indexes the model's page tables."""
     groups = len(bm.groups) if isinstance(bm, KVCacheCoordinator) else 1
     if not isinstance(group, int) or isinstance(group, bool):

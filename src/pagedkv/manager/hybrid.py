@@ -15,19 +15,28 @@ import torch
 
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.coordinator import KVCacheCoordinator
-from pagedkv.core.managers import manager_for
+from pagedkv.core.managers import FullAttentionManager, MLAAttentionManager, manager_for
 from pagedkv.core.tables import BatchTables
+from pagedkv.interface.bridge import spec_from_params
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params import KVCacheParams
 from pagedkv.runtime.arena import allocate_arena_buffers
 from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs, max_lengths_table
 
-__all__ = ["is_hybrid", "group_names", "make_block_manager", "allocate_buffers", "hybrid_inputs", "replica_tables"]
+ReplicaBookkeeping = BlockManager | KVCacheCoordinator
+"""One data-parallel replica's bookkeeping: a `BlockManager` (every cache full attention) or a
+`KVCacheCoordinator` (several groups); both have the same request lifecycle."""
+
+__all__ = ["ReplicaBookkeeping", "is_hybrid", "group_names", "make_block_manager", "allocate_buffers", "hybrid_inputs", "replica_tables"]
 
 
 def is_hybrid(params: KVCacheParamInterface) -> bool:
-    """True when some cache keeps fewer than all tokens, or is cross-attention."""
-    return any(leaf.attention_kind != "full" for leaf in params.leaves())
+    """True when some cache keeps fewer than all tokens, or is cross-attention (its spec's manager is
+    not plain full attention)."""
+    return any(type(manager_for(0, spec_from_params(leaf))) not in _FULL for leaf in params.leaves())
+
+
+_FULL = (FullAttentionManager, MLAAttentionManager)
 
 
 def group_names(params: KVCacheParamInterface) -> list[str]:
@@ -39,7 +48,7 @@ def group_names(params: KVCacheParamInterface) -> list[str]:
     return list(params.children)
 
 
-def make_block_manager(params: KVCacheParamInterface, total_num_pages: int) -> BlockManager:
+def make_block_manager(params: KVCacheParamInterface, total_num_pages: int) -> ReplicaBookkeeping:
     """A `BlockManager` (all full attention) or a `KVCacheCoordinator` with one group per cache.
 
     ValueError for ``enable_partial_page_reuse`` or ``commit_on_alloc`` on a hybrid model (the coordinator
@@ -60,7 +69,7 @@ def make_block_manager(params: KVCacheParamInterface, total_num_pages: int) -> B
             raise ValueError(f"{flag}=True does not support hybrid models (several KV cache groups: "
                              "sliding window, chunked, sinks or cross-attention caches)")  # fmt: skip
     group_names(params)  # validates the shape of the tree
-    groups = [manager_for(leaf.attention_kind, g, params.page_size, leaf) for g, leaf in enumerate(params.leaves())]
+    groups = [manager_for(g, spec_from_params(leaf)) for g, leaf in enumerate(params.leaves())]
     coordinator = KVCacheCoordinator(total_num_pages, params.page_size, groups, **kwargs)
     coordinator.hasher.set_version(params.weights_version)
     return coordinator
@@ -94,7 +103,7 @@ def hybrid_inputs(
             shared: torch.Tensor | None = None
             for name, leaf, tables in zip(names, leaves, group_tables, strict=True):
                 lut, lengths, max_lengths = _device_tensors(tables, dev)
-                if leaf.attention_kind != "cross":
+                if not leaf.is_cross_attention:
                     shared = lengths if shared is None else shared
                     lengths = shared
                 buf = _leaf_buffer(buffers[r], name, isinstance(params, KVCacheParams))
@@ -110,7 +119,7 @@ def _leaf_buffer(buffer: Any, name: str, single: bool) -> Any:
     return buffer if single else buffer.children[name]
 
 
-def replica_tables(bm: BlockManager, batch: list[Any], max_cache_length: int | None) -> list[BatchTables]:
+def replica_tables(bm: ReplicaBookkeeping, batch: list[Any], max_cache_length: int | None) -> list[BatchTables]:
     """The group tables of a replica's batch (one entry for a plain `BlockManager`)."""
     if isinstance(bm, KVCacheCoordinator):
         return bm.build_group_tables(batch, max_cache_length)

@@ -1,4 +1,4 @@
-"""`PagedKVCacheManager`: paged KV cache over data- and tensor-parallel replicas (seed 003).
+"""`PagedKVCacheManager`: paged KV cache over data- and tensor-parallel replicas (MAX's `PagedKVCacheManager`).
 
 Each data-parallel replica has its own `BlockManager` (page ids, prefix cache)
 and its own page buffers; a replica's TP shards share its page ids, lookup
@@ -14,9 +14,9 @@ table and cache lengths. Usage::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -24,25 +24,27 @@ from pagedkv.core import memory
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.context import RequestID, Retention, TextContext
 from pagedkv.core.coordinator import KVCacheCoordinator
+from pagedkv.core.events import KVEventBatch
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.tables import BatchTables
 from pagedkv.dtype import DeviceRef
 from pagedkv.interface.bridge import params_from_kv_cache_config
 from pagedkv.interface.config import KVCacheConfig
 from pagedkv.manager import checks, hybrid
+from pagedkv.manager.hybrid import ReplicaBookkeeping
 from pagedkv.manager.page_copies import apply_page_copies
-from pagedkv.manager.swap import SwapAccess
-from pagedkv.manager.tiering import TierAccess, Tiering
-from pagedkv.manager.weights import WeightsAccess
+from pagedkv.manager.swap import SwappedRequests
+from pagedkv.manager.tiering import Tiering
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params import KVConnectorType
+from pagedkv.params_checks import check_weights_version
 from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer
 from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs, max_lengths_table
 
 __all__ = ["PagedKVCacheManager"]
 
 
-class PagedKVCacheManager(TierAccess, SwapAccess, WeightsAccess):
+class PagedKVCacheManager:
     """Paged KV cache with prefix caching, one page pool per data-parallel replica.
 
     Args:
@@ -77,7 +79,7 @@ class PagedKVCacheManager(TierAccess, SwapAccess, WeightsAccess):
         self._buffers = hybrid.allocate_buffers(params, total_num_pages + 1)
         self.tiers = Tiering(params, self._managers, self._buffers, total_num_host_pages)
         self.total_num_host_pages = self.tiers.host_pages
-        self._swapped = {}
+        self._swapped = SwappedRequests(self.tiers)
 
     @classmethod
     def from_memory_budget(
@@ -114,12 +116,12 @@ class PagedKVCacheManager(TierAccess, SwapAccess, WeightsAccess):
         return cls(tree, config.num_blocks, 0, enable_runtime_checks, max_batch_size=max_batch_size)
 
     # ----------------------------------------------------------------- request lifecycle
-    def _bm(self, replica_idx: int) -> BlockManager:
+    def _bm(self, replica_idx: int) -> ReplicaBookkeeping:
         if type(replica_idx) is not int or not 0 <= replica_idx < self.num_replicas:
             raise ValueError(f"replica_idx={replica_idx!r} must be an int in [0, {self.num_replicas})")
         return self._managers[replica_idx]
 
-    def _checked(self, bm: BlockManager) -> None:
+    def _checked(self, bm: ReplicaBookkeeping) -> None:
         if self.enable_runtime_checks:
             bm.check_integrity()
 
@@ -171,7 +173,7 @@ class PagedKVCacheManager(TierAccess, SwapAccess, WeightsAccess):
         """Forget `request_id` and free its pages (tail first; cached pages stay hittable)."""
         bm = self._bm(replica_idx)
         checks.check_request_id(request_id)
-        if not bm.contains(request_id) and self._drop_swapped(request_id, replica_idx):
+        if not bm.contains(request_id) and self._swapped.drop(request_id, replica_idx):
             return
         bm.release(request_id)
         self._checked(bm)
@@ -239,7 +241,7 @@ class PagedKVCacheManager(TierAccess, SwapAccess, WeightsAccess):
         for r, (bm, batch) in enumerate(zip(self._managers, batches, strict=True)):
             per_device.extend(self._device_tables(r, bm.build_tables(list(batch), max_cache_length)))
         if self.params.enable_partial_page_reuse:  # copy-on-write of partial-page hits, before the forward
-            apply_page_copies(self._managers, self._buffers)
+            apply_page_copies(cast(list[BlockManager], self._managers), self._buffers)  # (never hybrid)
         return self._assemble(self.params, self._buffers, per_device)
 
     def _device_tables(
@@ -327,6 +329,114 @@ class PagedKVCacheManager(TierAccess, SwapAccess, WeightsAccess):
         for bm in self._managers:
             bm.check_integrity()
 
+    # ----------------------------------------------------------------- model weights
+    # The weights version is folded into the root of every prefix-cache hash chain (see
+    # `pagedkv.core.hashing`): after `set_weights_version(v)` no page computed under another version
+    # is a hit, on device or in any tier, with no `reset_prefix_cache`. Old pages age out unused.
+    @property
+    def weights_version(self) -> str | None:
+        """The version new requests' hash chains start from (`KVCacheParams.weights_version` at first)."""
+        return self._managers[0].hasher.version
+
+    def set_weights_version(self, version: str | None) -> None:
+        """Hash every later admission from `version`'s root, on every replica.
+
+        Requests already holding pages keep their chains: pages they commit later stay under the old
+        version's keys, which no request of the new version looks up. A request whose KV must be
+        all new (an engine after a weight update) is released and recomputed by its caller.
+        Raises TypeError/ValueError for a version that is not None or a str of 1 to 1024 characters.
+        """
+        check_weights_version(version, "version")
+        for bm in self._managers:
+            bm.hasher.set_version(version)
+
+    # ----------------------------------------------------------------- swap preemption (host tier)
+    @property
+    def can_swap(self) -> bool:
+        """True when a host tier exists (swap preemption is possible at all)."""
+        return self._swapped.can_swap
+
+    def is_swapped(self, request_id: RequestID, replica_idx: int = 0) -> bool:
+        """True while `request_id` is swapped out."""
+        return (replica_idx, request_id) in self._swapped
+
+    def swapped_pages(self, request_id: RequestID, replica_idx: int = 0) -> int:
+        """Pages parked in host rows for `request_id` (0 when it is not swapped out)."""
+        return self._swapped.num_pages(request_id, replica_idx)
+
+    def swap_out(self, request_id: RequestID, replica_idx: int = 0) -> bool:
+        """Copy every page of the claimed `request_id` to host rows and release its device pages.
+
+        Returns False, changing nothing, without a host tier or when the host
+        tier cannot lend enough rows (the caller then preempts by recompute).
+        The request's context must not be reset; resume it with `swap_in`.
+        """
+        bm = self._bm(replica_idx)
+        swapped = self._swapped.swap_out(bm, request_id, replica_idx)
+        self._checked(bm)
+        return swapped
+
+    def swap_in(self, ctx: TextContext, replica_idx: int = 0) -> None:
+        """Claim ``ctx.request_id`` again with its swapped pages, bit for bit; the host rows return to
+        the tier. Raises `InsufficientBlocksError` (too few device pages) or `ValueError` (not
+        swapped out) and then changes nothing."""
+        bm = self._bm(replica_idx)
+        if not isinstance(ctx, TextContext):
+            raise TypeError(f"ctx must be a TextContext, got {type(ctx).__name__}")
+        self._swapped.swap_in(bm, ctx, replica_idx)
+        self._checked(bm)
+
+    # ----------------------------------------------------------------- tiers and events
+    def _connector(self, replica_idx: int) -> Any:
+        """The replica's connector, or None without tiers (validates `replica_idx`)."""
+        self._bm(replica_idx)
+        return self.tiers.connectors[replica_idx] if self.tiers.connectors else None
+
+    def get_num_host_pages(self, replica_idx: int = 0) -> int:
+        """Host-tier pages of the replica (0 without a host tier)."""
+        connector = self._connector(replica_idx)
+        return connector.num_host_blocks if connector else 0
+
+    def get_num_used_host_pages(self, replica_idx: int = 0) -> int:
+        """Host-tier pages holding cached KV."""
+        connector = self._connector(replica_idx)
+        return connector.num_used_host_blocks if connector else 0
+
+    def get_num_disk_pages(self, replica_idx: int = 0) -> int:
+        """Disk-tier pages the replica may use (its size cap; 0 without a disk tier)."""
+        connector = self._connector(replica_idx)
+        return connector.num_disk_blocks if connector else 0
+
+    def get_num_used_disk_pages(self, replica_idx: int = 0) -> int:
+        """Disk-tier pages holding cached KV."""
+        connector = self._connector(replica_idx)
+        return connector.num_used_disk_blocks if connector else 0
+
+    def tier_stats(self, replica_idx: int = 0) -> dict[str, dict[str, object]]:
+        """Each tier's counters (`TierStats.snapshot`) by name: "host", "disk", "redis"."""
+        connector = self._connector(replica_idx)
+        return {name: stats.snapshot() for name, stats in connector.stats.items()} if connector else {}
+
+    def add_kv_event_listener(self, listener: Callable[[KVEventBatch], None]) -> None:
+        """Call `listener(batch)` with each replica's KV events once per `step` (and on
+        `reset_prefix_cache`); batches are numbered without gaps (`KVEventBatch.seq`)."""
+        self.tiers.add_listener(listener)
+
+    def remove_kv_event_listener(self, listener: Callable[[KVEventBatch], None]) -> None:
+        """Stop calling `listener`."""
+        self.tiers.remove_listener(listener)
+
+    def sync_tiers(self) -> None:
+        """Push every committed page still queued down the tiers and wait until all are written
+        (before exiting, or before another process should find the pages)."""
+        self.tiers.sync()
+
+    def close(self) -> None:
+        """`sync_tiers`, then stop the tiers' threads and connections (the manager stays usable,
+        without tiers)."""
+        self.tiers.close()
+
+    # ----------------------------------------------------------------- planning
     @classmethod
     def estimated_memory_size(
         cls, params: KVCacheParamInterface, available_cache_memory: int, max_batch_size: int, max_seq_len: int

@@ -1,4 +1,4 @@
-"""`SwapAccess`: swap preemption on `PagedKVCacheManager`, when a host tier exists.
+"""`SwappedRequests`: swap preemption for `PagedKVCacheManager`, when a host tier exists.
 
     if mgr.swap_out(rid):        # pages copied to host rows, device pages released
         ...                      # (the context is left as is: do not reset it)
@@ -6,35 +6,44 @@
     mgr.alloc(ctx)               # then the next window as usual
 
 A swapped-out request is not claimed on the device; `release` of it gives
-its host rows back.
+its host rows back. The bookkeeping half (which pages, which table to
+rebuild) is `BlockManager.swap_snapshot` / `swap_restore` / `swap_recommit`;
+the bytes move through each replica's `SwapSpace` (host rows lent out of the
+host tier).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from pagedkv.core import swap
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.context import RequestID, TextContext
+from pagedkv.core.tables import SwappedPages
+from pagedkv.manager.hybrid import ReplicaBookkeeping
 from pagedkv.manager.tiering import Tiering
 
-__all__ = ["SwapAccess"]
+if TYPE_CHECKING:  # pragma: no cover
+    from pagedkv.offload.swap import SwapSpace
+
+__all__ = ["SwappedRequests"]
 
 
-class SwapAccess:
-    """Swap out / swap in of whole requests through each replica's host tier."""
+class SwappedRequests:
+    """The swapped-out requests of every replica: their table records and the host rows holding them."""
 
-    tiers: Tiering
-    enable_runtime_checks: bool
-    _swapped: dict[tuple[int, RequestID], tuple[swap.SwappedPages, list[int]]]
+    def __init__(self, tiers: Tiering) -> None:
+        self.tiers = tiers
+        self._entries: dict[tuple[int, RequestID], tuple[SwappedPages, list[int]]] = {}
 
-    def _bm(self, replica_idx: int) -> BlockManager:  # pragma: no cover - PagedKVCacheManager's
-        raise NotImplementedError
+    def __contains__(self, key: object) -> bool:
+        """``(replica_idx, request_id) in swaps``: the request is swapped out on that replica."""
+        return key in self._entries
 
-    def _checked(self, bm: BlockManager) -> None:  # pragma: no cover - PagedKVCacheManager's
-        raise NotImplementedError
+    def keys(self) -> list[tuple[int, RequestID]]:
+        """Every ``(replica_idx, request_id)`` swapped out."""
+        return list(self._entries)
 
-    def _swap_space(self, replica_idx: int) -> Any:
+    def _space(self, replica_idx: int) -> SwapSpace | None:
         spaces = self.tiers.swap_spaces
         return spaces[replica_idx] if spaces else None
 
@@ -43,63 +52,51 @@ class SwapAccess:
         """True when a host tier exists (swap preemption is possible at all)."""
         return bool(self.tiers.swap_spaces)
 
-    def is_swapped(self, request_id: RequestID, replica_idx: int = 0) -> bool:
-        """True while `request_id` is swapped out."""
-        return (replica_idx, request_id) in self._swapped
-
-    def swapped_pages(self, request_id: RequestID, replica_idx: int = 0) -> int:
+    def num_pages(self, request_id: RequestID, replica_idx: int) -> int:
         """Pages parked in host rows for `request_id` (0 when it is not swapped out)."""
-        entry = self._swapped.get((replica_idx, request_id))
+        entry = self._entries.get((replica_idx, request_id))
         return entry[0].num_pages if entry else 0
 
-    def swap_out(self, request_id: RequestID, replica_idx: int = 0) -> bool:
-        """Copy every page of the claimed `request_id` to host rows and release its device pages.
-
-        Returns False, changing nothing, without a host tier or when the host
-        tier cannot lend enough rows (the caller then preempts by recompute).
-        The request's context must not be reset; resume it with `swap_in`.
-        """
-        bm = self._bm(replica_idx)
-        space = self._swap_space(replica_idx)
-        pages, record = swap.snapshot(bm, request_id)  # validates: claimed, not a dummy
-        if space is None:
+    def swap_out(self, bm: ReplicaBookkeeping, request_id: RequestID, replica_idx: int) -> bool:
+        """Copy every page of the claimed `request_id` to host rows and release it from `bm`; False,
+        changing nothing, without a host tier or when the tier cannot lend enough rows."""
+        space = self._space(replica_idx)
+        if space is None or not isinstance(bm, BlockManager):  # (hybrid models have no tiers)
+            bm.check_claimed(request_id)
             return False
+        pages, record = bm.swap_snapshot(request_id)
         slots = space.swap_out(pages)  # None when the host tier cannot lend that many rows
         if slots is None:
             return False
         bm.release(request_id)
-        self._swapped[(replica_idx, request_id)] = (record, slots)
-        self._checked(bm)
+        self._entries[(replica_idx, request_id)] = (record, slots)
         return True
 
-    def swap_in(self, ctx: TextContext, replica_idx: int = 0) -> None:
-        """Claim ``ctx.request_id`` again with its swapped pages, bit for bit; the host rows return to
-        the tier. Raises `InsufficientBlocksError` (too few device pages) or `ValueError` (not
-        swapped out) and then changes nothing."""
-        bm = self._bm(replica_idx)
-        if not isinstance(ctx, TextContext):
-            raise TypeError(f"ctx must be a TextContext, got {type(ctx).__name__}")
-        entry = self._swapped.get((replica_idx, ctx.request_id))
+    def swap_in(self, bm: ReplicaBookkeeping, ctx: TextContext, replica_idx: int) -> None:
+        """Claim ``ctx.request_id`` on `bm` again with its swapped pages, bit for bit; the host rows
+        return to the tier. Raises `InsufficientBlocksError` (too few device pages) or `ValueError`
+        (not swapped out, or the tiers are closed) and then changes nothing."""
+        entry = self._entries.get((replica_idx, ctx.request_id))
         if entry is None:
             raise ValueError(f"request {ctx.request_id!r} is not swapped out on replica {replica_idx}")
-        space = self._swap_space(replica_idx)
+        space = self._space(replica_idx)
         if space is None:
             raise ValueError(f"request {ctx.request_id!r} cannot swap in: the tiers are closed")
         record, slots = entry
-        todo = swap.restore(bm, ctx, record)
-        del self._swapped[(replica_idx, ctx.request_id)]
+        assert isinstance(bm, BlockManager)  # (only single-group replicas swap out)
+        todo = bm.swap_restore(ctx, record)
+        del self._entries[(replica_idx, ctx.request_id)]
         copied = {i for i, _ in todo}
         space.swap_in([slots[i] for i, _ in todo], [page for _, page in todo])
         space.drop([slot for i, slot in enumerate(slots) if i not in copied])  # device-cached pages
-        swap.recommit(bm, ctx, record)
-        self._checked(bm)
+        bm.swap_recommit(ctx, record)
 
-    def _drop_swapped(self, request_id: RequestID, replica_idx: int) -> bool:
+    def drop(self, request_id: RequestID, replica_idx: int) -> bool:
         """Give back the host rows of a swapped-out request being released; False if not swapped."""
-        entry = self._swapped.pop((replica_idx, request_id), None)
+        entry = self._entries.pop((replica_idx, request_id), None)
         if entry is None:
             return False
-        space = self._swap_space(replica_idx)
+        space = self._space(replica_idx)
         if space is not None:
             space.drop(entry[1])
         return True

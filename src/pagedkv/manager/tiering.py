@@ -13,14 +13,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, KVEventBatch, KVEventQueue
 from pagedkv.core.memory import compute_num_host_blocks
+from pagedkv.manager.hybrid import ReplicaBookkeeping
 from pagedkv.multi_params import KVCacheParamInterface
 from pagedkv.params import KVConnectorType
 
-__all__ = ["TierAccess", "Tiering"]
+__all__ = ["Tiering"]
 
 Listener = Callable[[KVEventBatch], None]
 
@@ -29,7 +29,7 @@ class Tiering:
     """Connectors and event queues of every replica; inert with ``kv_connector`` null and no listener."""
 
     def __init__(
-        self, params: KVCacheParamInterface, managers: Sequence[BlockManager], buffers: Sequence[Any], host_pages: int
+        self, params: KVCacheParamInterface, managers: Sequence[ReplicaBookkeeping], buffers: Sequence[Any], host_pages: int
     ) -> None:
         self.managers = list(managers)
         self.queues = [KVEventQueue() for _ in managers]
@@ -148,62 +148,3 @@ class Tiering:
             bm.hooks.offloads = None
         self.connectors = []
         self.swap_spaces = []
-
-
-class TierAccess:
-    """The tier counters, statistics and event listeners of `PagedKVCacheManager` (seed 003's
-    host and disk page counters among them)."""
-
-    tiers: Tiering
-
-    def _bm(self, replica_idx: int) -> BlockManager:  # pragma: no cover - PagedKVCacheManager's
-        raise NotImplementedError
-
-    def _connector(self, replica_idx: int) -> Any:
-        """The replica's connector, or None without tiers (validates `replica_idx`)."""
-        self._bm(replica_idx)
-        return self.tiers.connectors[replica_idx] if self.tiers.connectors else None
-
-    def get_num_host_pages(self, replica_idx: int = 0) -> int:
-        """Host-tier pages of the replica (0 without a host tier)."""
-        connector = self._connector(replica_idx)
-        return connector.num_host_blocks if connector else 0
-
-    def get_num_used_host_pages(self, replica_idx: int = 0) -> int:
-        """Host-tier pages holding cached KV."""
-        connector = self._connector(replica_idx)
-        return connector.num_used_host_blocks if connector else 0
-
-    def get_num_disk_pages(self, replica_idx: int = 0) -> int:
-        """Disk-tier pages the replica may use (its size cap; 0 without a disk tier)."""
-        connector = self._connector(replica_idx)
-        return connector.num_disk_blocks if connector else 0
-
-    def get_num_used_disk_pages(self, replica_idx: int = 0) -> int:
-        """Disk-tier pages holding cached KV."""
-        connector = self._connector(replica_idx)
-        return connector.num_used_disk_blocks if connector else 0
-
-    def tier_stats(self, replica_idx: int = 0) -> dict[str, dict[str, object]]:
-        """Each tier's counters (`TierStats.snapshot`) by name: "host", "disk", "redis"."""
-        connector = self._connector(replica_idx)
-        return {name: stats.snapshot() for name, stats in connector.stats.items()} if connector else {}
-
-    def add_kv_event_listener(self, listener: Callable[[KVEventBatch], None]) -> None:
-        """Call `listener(batch)` with each replica's KV events once per `step` (and on
-        `reset_prefix_cache`); batches are numbered without gaps (`KVEventBatch.seq`)."""
-        self.tiers.add_listener(listener)
-
-    def remove_kv_event_listener(self, listener: Callable[[KVEventBatch], None]) -> None:
-        """Stop calling `listener`."""
-        self.tiers.remove_listener(listener)
-
-    def sync_tiers(self) -> None:
-        """Push every committed page still queued down the tiers and wait until all are written
-        (before exiting, or before another process should find the pages)."""
-        self.tiers.sync()
-
-    def close(self) -> None:
-        """`sync_tiers`, then stop the tiers' threads and connections (the manager stays usable,
-        without tiers)."""
-        self.tiers.close()

@@ -40,7 +40,9 @@ class PagedKVAdapter:
     def __init__(self, name: str, params: KVCacheParams, num_pages: int, max_num_seqs: int = 256) -> None:
         self.name = name
         self.mgr = PagedKVCacheManager(params, num_pages, max_batch_size=max_num_seqs)
-        self.bm: BlockManager = self.mgr._managers[0]
+        bm = self.mgr._managers[0]
+        assert isinstance(bm, BlockManager)  # (the compare workloads are single-group)
+        self.bm = bm
         self.page_size = params.page_size
 
     def new_step(self) -> None:
@@ -115,7 +117,7 @@ class BeladyOracle:
                 self.depth[key] = d
         self.now = 0  # first admissions so far
         pool = self.bm.pool
-        pool._keyed().key = self.key
+        pool.keyed_order().key = self.key
         self._pool = pool
 
     def key(self, page: int) -> tuple[float, int]:

@@ -1,18 +1,27 @@
-"""`HeapOrder`: the eviction order of a pool's free cached pages when plain list order is not enough.
+"""The eviction order of a pool's free cached pages: free lists, ARC's adaptive split, keyed order.
 
-`BlockPool` keeps free cached pages in linked lists (LRU, SLRU probation)
-and, with the default settings, evicts from their heads. A `HeapOrder` is
-used instead when eviction needs a key: retention priorities, evict leaves
-first, LFU with aging, or an external key (the offline-optimal bound). It is
-a lazy min-heap of ``(priority, *policy key, version, page)``:
+`BlockPool` keeps its free cached pages in intrusive doubly linked lists
+(`FreeLists`: LRU, SLRU probation, protected) and, with the default
+settings, evicts from their heads. Two policies need more than list order:
 
-- every time a page enters or moves within the LRU/probation lists the pool
-  calls `listed(page)`, which pushes a fresh entry; older entries of that page
-  go stale (their version is behind) and are skipped when popped;
-- `victim()` pops until it finds a page that is still free and cached in an
-  evictable list and (leaves first) has no cached child.
+- ``"arc"`` (`ArcState`): ARC (Megiddo & Modha) over SLRU's two lists.
+  Probation is T1 (cached pages never reused since they were cached), LRU is
+  T2 (pages that served a hit). Plain SLRU always evicts T1 first; ARC
+  evicts from T1 only while it holds more than a target `p` pages, and adapts
+  `p` from ghosts, the hashes of recently evicted pages: a miss on a hash
+  recently evicted from T1 (ghost B1) grows `p` by max(1, |B2| / |B1|); a
+  miss on one evicted from T2 (ghost B2) shrinks it by max(1, |B1| / |B2|).
+  Each ghost list keeps at most `num_blocks` hashes (oldest dropped).
+- `HeapOrder`: a keyed order for retention priorities, evict leaves first,
+  LFU with aging, or an external key (the offline-optimal bound). It is a
+  lazy min-heap of ``(priority, *policy key, version, page)``: every time a
+  page enters or moves within the LRU/probation lists the pool calls
+  `listed(page)`, which pushes a fresh entry (older entries of that page go
+  stale and are skipped when popped); `victim()` pops until it finds a page
+  that is still free and cached in an evictable list and (leaves first) has
+  no cached child.
 
-Policy keys (smaller is evicted first), each after the priority:
+Policy keys of `HeapOrder` (smaller is evicted first), each after the priority::
 
     lru   (tick,)                    least recently freed or refreshed first
     slru  (reused, tick)             never-reused pages first, then LRU
@@ -32,12 +41,116 @@ from __future__ import annotations
 import heapq
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from pagedkv.core.free_lists import LRU, PROBATION, FreeLists
+from pagedkv.core.errors import require
+from pagedkv.core.hashing import BlockHash
 
-__all__ = ["HeapOrder", "check_order", "DEFAULT_PRIORITY", "MAX_PRIORITY", "KEYED_POLICIES"]
+__all__ = [
+    "FreeLists", "NONE", "LRU", "PROTECTED", "PROBATION", "ArcState", "HeapOrder", "check_order",
+    "DEFAULT_PRIORITY", "MAX_PRIORITY", "KEYED_POLICIES",
+]  # fmt: skip
+
+NONE, LRU, PROTECTED, PROBATION = 0, 1, 2, 3  # list ids (NONE: in no list)
+
+
+class FreeLists:
+    """Three lists (LRU, PROTECTED, PROBATION) of pages in ``[0, n)``, each head = oldest."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.prev = array("i", [0]) * (n + 4)
+        self.next = array("i", [0]) * (n + 4)
+        self.sentinel = (0, n + 1, n + 2, n + 3)  # indexed by list id (slot n is the null page's)
+        for s in self.sentinel[1:]:
+            self.prev[s] = self.next[s] = s  # empty circular lists
+        self.where = bytearray(n)  # the list each page is in
+        self.count = [0, 0, 0, 0]  # pages per list
+
+    def unlink(self, page: int) -> None:
+        """Take `page` out of its list (it must be in one)."""
+        prv, nxt = self.prev, self.next
+        a, b = prv[page], nxt[page]
+        nxt[a] = b
+        prv[b] = a
+        self.count[self.where[page]] -= 1
+        self.where[page] = NONE
+
+    def append(self, page: int, which: int) -> None:
+        """Put `page` (in no list) at the tail of list `which`."""
+        prv, nxt, sentinel = self.prev, self.next, self.sentinel[which]
+        tail = prv[sentinel]
+        nxt[tail] = page
+        prv[page] = tail
+        nxt[page] = sentinel
+        prv[sentinel] = page
+        self.count[which] += 1
+        self.where[page] = which
+
+    def move(self, page: int, which: int) -> None:
+        """Move `page` (in some list) to the tail of list `which`."""
+        self.unlink(page)
+        self.append(page, which)
+
+    def head(self, which: int) -> int:
+        """The oldest page of list `which` (it must not be empty)."""
+        return self.next[self.sentinel[which]]
+
+    def pages(self, which: int) -> Iterator[int]:
+        """The pages of list `which`, head first."""
+        nxt, sentinel = self.next, self.sentinel[which]
+        page = nxt[sentinel]
+        while page != sentinel:
+            yield page
+            page = nxt[page]
+
+    def checked_pages(self, which: int) -> list[int]:
+        """The pages of list `which`, head first, checking every link on the way (`IntegrityError`
+        for a broken link, a page marked in another list, a cycle, or a count that disagrees)."""
+        prv, nxt, sentinel = self.prev, self.next, self.sentinel[which]
+        pages: list[int] = []
+        page = nxt[sentinel]
+        while page != sentinel:
+            require(prv[nxt[page]] == page, f"free list {which}: link broken after page {page}")
+            require(self.where[page] == which, f"page {page} is in free list {which} but marked {self.where[page]}")
+            require(len(pages) < self.n, f"free list {which} has a cycle")
+            pages.append(page)
+            page = nxt[page]
+        require(len(pages) == self.count[which], f"free list {which} holds {len(pages)}, count {self.count[which]}")
+        return pages
+
+
+class ArcState:
+    """Target size `p` of T1 and the two ghost lists (insertion-ordered dicts used as bounded FIFOs)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.capacity = num_blocks
+        self.p = 0.0
+        self.b1: dict[BlockHash, None] = {}
+        self.b2: dict[BlockHash, None] = {}
+
+    def from_probation(self, n_probation: int, n_lru: int) -> bool:
+        """True when the next victim comes from T1 (probation)."""
+        return n_probation > 0 and (n_probation > self.p or n_lru == 0)
+
+    def evicted(self, block_hash: BlockHash, from_probation: bool) -> None:
+        """Remember an evicted page's hash in the ghost list of the list it left."""
+        ghosts = self.b1 if from_probation else self.b2
+        ghosts[block_hash] = None
+        if len(ghosts) > self.capacity:
+            del ghosts[next(iter(ghosts))]
+
+    def missed(self, block_hash: BlockHash) -> None:
+        """A lookup wanted `block_hash` and did not find it cached: adapt on a ghost hit."""
+        b1, b2 = self.b1, self.b2
+        if block_hash in b1:
+            self.p = min(float(self.capacity), self.p + max(1.0, len(b2) / len(b1)))
+            del b1[block_hash]
+        elif block_hash in b2:
+            self.p = max(0.0, self.p - max(1.0, len(b1) / len(b2)))
+            del b2[block_hash]
+
 
 DEFAULT_PRIORITY = 35
 MAX_PRIORITY = 100

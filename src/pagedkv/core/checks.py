@@ -1,0 +1,93 @@
+"""Argument checks and invariants of the bookkeeping (each takes what it checks as arguments).
+
+The invariants are O(pages): `check_integrity()` runs them in every core test
+and, behind ``enable_runtime_checks``, after every mutating call.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+from pagedkv.core.block_pool import BlockPool
+from pagedkv.core.errors import require as _require
+from pagedkv.core.hashing import check_seed
+from pagedkv.core.hybrid_state import HybridRequest
+from pagedkv.core.managers import GroupManager
+from pagedkv.core.tables import RequestPages
+from pagedkv.validation import INT32_MAX, check_int
+
+__all__ = ["check_hybrid_tables", "check_manager_args", "check_tables"]
+
+
+def check_manager_args(page_size: object, caching: object, speculative: object, seed: object, *flags: object) -> None:
+    """TypeError / ValueError unless a `BlockManager`'s arguments are valid (before anything is built)."""
+    check_int("page_size", page_size, 1, INT32_MAX)
+    check_int("num_speculative_tokens", speculative, 0, INT32_MAX)
+    for name, flag in zip(("enable_prefix_caching", "evict_leaves_first", "partial_page_reuse", "commit_on_alloc"),
+                          (caching, *flags), strict=False):  # fmt: skip
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}={flag!r} must be a bool")
+    check_seed("hash_seed", seed)
+
+
+def check_tables(pool: BlockPool, reqs: Mapping[Hashable, RequestPages], partial: Any = None) -> None:
+    """Raise `IntegrityError` unless every request's committed pages hold its hashes, its other pages
+    are private and unhashed, and the pool's states and reference counts match the tables.
+    `partial`: the `PartialPages` index with its pending copies (None without partial reuse)."""
+    null = pool.null_block
+    holders: Counter[int] = Counter()
+    for rid, st in reqs.items():
+        pages = st.pages[: st.num_pages].tolist()
+        holders.update(pages)
+        _require(null not in pages, f"request {rid!r} holds the null page")
+        _require(not (st.dummy and pages), f"dummy request {rid!r} holds pages")
+        _require(
+            st.committed <= min(st.num_pages, len(st.hashes)),
+            f"request {rid!r}: committed={st.committed} exceeds its pages or hashes",
+        )
+        _require(-1 <= st.unwritten <= st.committed, f"request {rid!r}: unwritten={st.unwritten} out of range")
+        for i, page in enumerate(pages):
+            if i < st.committed:
+                _require(pool.block_hash(page) == st.hashes[i], f"request {rid!r} page {i} ({page}) hash mismatch")
+            else:
+                _require(pool.block_hash(page) is None, f"request {rid!r} uncommitted page {page} has a hash")
+                _require(pool.ref_count(page) == 1, f"request {rid!r} private page {page} is shared")
+    if partial is not None:
+        partial.check(reqs, holders)  # + the pending copies' source references
+    pool.check_integrity(holders)
+
+
+def check_hybrid_tables(
+    pool: BlockPool, groups: Sequence[GroupManager], reqs: Mapping[Hashable, HybridRequest], caching: bool
+) -> None:
+    """Raise `IntegrityError` unless every request's table in every group agrees with the pool: a null
+    entry only where a window group dropped a page, committed entries cached under the request's hash in
+    that group, the others private and unhashed, and the pool's references and live pins match the tables."""
+    null, stamp = pool.null_block, pool.stamp
+    holders: Counter[int] = Counter()
+    pins: Counter[int] = Counter()
+    for rid, st in reqs.items():
+        pins.update(p for p, s in st.pinned if stamp(p) == s)
+        _require(st.committed <= len(st.hashes) or not caching,
+                 f"request {rid!r}: committed={st.committed} exceeds its hashes")  # fmt: skip
+        for g, (gm, table) in enumerate(zip(groups, st.tables, strict=True)):
+            pages = table.pages[: table.num_pages].tolist()
+            holders.update(p for p in pages if p != null)
+            _require(not (st.dummy and pages), f"dummy request {rid!r} holds pages")
+            for i, page in enumerate(pages):
+                if page == null:
+                    _require(gm.lazy and gm.kept_pages() <= i < st.dropped[g], f"{rid!r} group {g} entry {i} is null")
+                    continue
+                _require(
+                    not (gm.lazy and max(gm.kept_pages(), st.shared) <= i < st.dropped[g]),
+                    f"{rid!r} group {g} kept dropped entry {i}",
+                )
+                if i < st.committed and gm.cacheable:
+                    _require(pool.block_hash(page) == st.hashes[i] and pool.group_of(page) == g,
+                             f"{rid!r} group {g} page {i} ({page}) is not cached under its hash")  # fmt: skip
+                else:
+                    _require(pool.block_hash(page) is None and pool.ref_count(page) == 1,
+                             f"{rid!r} group {g} private page {page} is shared or hashed")  # fmt: skip
+    pool.check_integrity(holders, pins)
