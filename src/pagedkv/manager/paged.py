@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -32,10 +32,10 @@ from pagedkv.interface.bridge import params_from_kv_cache_config
 from pagedkv.interface.config import KVCacheConfig
 from pagedkv.manager import checks, hybrid
 from pagedkv.manager.hybrid import ReplicaBookkeeping
-from pagedkv.manager.page_copies import apply_page_copies
 from pagedkv.manager.swap import SwappedRequests
 from pagedkv.manager.tiering import Tiering
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
+from pagedkv.ops.page_copy import copy_page_slots
 from pagedkv.params import KVConnectorType
 from pagedkv.params_checks import check_weights_version
 from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer
@@ -241,8 +241,21 @@ class PagedKVCacheManager:
         for r, (bm, batch) in enumerate(zip(self._managers, batches, strict=True)):
             per_device.extend(self._device_tables(r, bm.build_tables(list(batch), max_cache_length)))
         if self.params.enable_partial_page_reuse:  # copy-on-write of partial-page hits, before the forward
-            apply_page_copies(cast(list[BlockManager], self._managers), self._buffers)  # (never hybrid)
+            self._apply_page_copies()
         return self._assemble(self.params, self._buffers, per_device)
+
+    def _apply_page_copies(self) -> int:
+        """Copy-on-write of partial-page hits (``enable_partial_page_reuse``; never a hybrid model): take
+        each replica's pending copies (`BlockManager.take_page_copies`) and apply them to every tensor of
+        its buffers (each cache of a tree, K and V of every layer, every TP shard, FP8 scales), so they
+        land before the forward pass that reads them. Returns how many copies ran."""
+        done = 0
+        for bm, buffer in zip(self._managers, self._buffers, strict=True):
+            copies = bm.take_page_copies() if isinstance(bm, BlockManager) else []
+            for tensor in buffer.all_buffers if copies else ():
+                copy_page_slots(tensor, copies)
+            done += len(copies)
+        return done
 
     def _device_tables(
         self, r: int, tables: BatchTables
