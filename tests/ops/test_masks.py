@@ -201,7 +201,7 @@ def test_dispatcher_never_picks_triton_with_options(monkeypatch: pytest.MonkeyPa
     step = next(ragged_steps(make_manager(3), 2))
     store_both(step)
     monkeypatch.setattr(ops, "_triton_usable", lambda query, meta: True)
-    monkeypatch.setattr(triton_decode, "paged_decode", lambda *a: (_ for _ in ()).throw(AssertionError("triton")))
+    monkeypatch.setattr(triton_decode, "paged_decode", lambda *a, **k: (_ for _ in ()).throw(AssertionError("triton")))
     options: list[dict[str, Any]] = [
         {"sliding_window": 4}, {"chunk_size": 4}, {"sink_tokens": 1}, {"sinks": sinks_for(4)},
         {"v_head_dim": 4}, {"causal": False},

@@ -245,19 +245,23 @@ def test_dispatcher_backend_selection_and_metadata_reuse() -> None:
         torch.testing.assert_close(got, attention(step, "reference"), atol=1e-5, rtol=1e-5)
 
 
-def test_torch_ops_reject_bad_shapes() -> None:
+def test_entry_points_reject_bad_shapes_for_every_backend() -> None:
+    """The checks live at the entry points (`pagedkv.ops.checks`); the torch backend does not repeat them."""
     step = next(ragged_steps(make_manager(3), 2))
     meta = PagedMetadata.build(step.inputs, step.offsets)
     blocks = step.inputs.blocks
-    with pytest.raises(ValueError, match=r"H_q=3 query heads is not a multiple of H_kv=2"):
-        torch_ops.paged_attention(step.query[:, :3], blocks, meta, LAYER, None, None, None)
-    with pytest.raises(ValueError, match=r"query shape \(3, 4, 8\) != \[T=8, H_q, D=8\]"):
-        torch_ops.paged_attention(step.query[:3], blocks, meta, LAYER, None, None, None)
-    with pytest.raises(ValueError, match=r"K/V shape \(8, 2, 4\)"):
-        torch_ops.store_kv(blocks, step.key[..., :4], None, meta, LAYER, None)
-    mla = torch.zeros(blocks.shape[0], 1, *blocks.shape[2:])
-    with pytest.raises(ValueError, match="value given for a cache with kv_dim=1"):
-        torch_ops.store_kv(mla, step.key, step.value, meta, LAYER, None)
+    mla = RaggedKVCacheInputs(torch.zeros(blocks.shape[0], 1, *blocks.shape[2:]), step.inputs.cache_lengths,
+                              step.inputs.lookup_table, step.inputs.max_lengths)  # fmt: skip
+    for backend in ("reference", "torch"):
+        with ops.use_backend(backend):
+            with pytest.raises(ValueError, match=r"query shape \(8, 3, 8\) != \[T, H_q, D=8\] with H_q a multiple"):
+                ops.paged_attention(step.query[:, :3], step.inputs, step.offsets, LAYER, metadata=meta)
+            with pytest.raises(ValueError, match=r"query has 3 tokens but the batch's input_row_offsets end at 8"):
+                ops.paged_attention(step.query[:3], step.inputs, step.offsets, LAYER, metadata=meta)
+            with pytest.raises(ValueError, match=r"key shape \(8, 2, 4\) != \[T, H_kv, D\]"):
+                ops.store_kv(step.key[..., :4], None, step.inputs, step.offsets, LAYER, metadata=meta)
+            with pytest.raises(ValueError, match="value given for a cache with kv_dim=1"):
+                ops.store_kv(step.key, step.value, mla, step.offsets, LAYER, metadata=meta)
 
 
 def test_empty_batch() -> None:

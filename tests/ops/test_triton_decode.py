@@ -370,6 +370,8 @@ def test_rejects_batches_that_are_not_decode_only() -> None:
         triton_decode.paged_decode(torch.cat([query, query[:1]]), inputs.blocks, meta, 1)
     with pytest.raises(ValueError, match="layer=2 must be in"):
         triton_decode.paged_decode(query, inputs.blocks, PagedMetadata.build(inputs, torch.arange(4), 3), 2)
+    with use_backend("triton"), pytest.raises(ValueError, match="layer=2 must be in"):  # checked at the entry point
+        paged_attention(query, inputs, torch.arange(4), 2)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,6 @@ inputs, since their K/V depend on the encoder through cross-attention.
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +29,8 @@ from pagedkv.engine.engine import GREEDY, LLMEngine
 from pagedkv.engine.request import Request
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.hf import encoder_decoder as ed
-from pagedkv.hf.attention import ATTENTION_NAME, ForwardContext, register
+from pagedkv.hf.attention import register
+from pagedkv.hf.context import ATTENTION_NAME, ForwardContext
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheQuantizationConfig
 from pagedkv.runtime.inputs import MultiKVCacheInputs, RaggedKVCacheInputs, max_lengths_table
@@ -180,19 +180,16 @@ class EncoderDecoderEngine(LLMEngine):
         assert isinstance(tree, MultiKVCacheInputs)
         inputs = [g.inputs[0] for g in tree.children.values()]  # one device
         ids = np.concatenate([c.tokens.active for c in ctxs]).astype(np.int64)  # [T]
-        positions = np.concatenate([np.arange(c.tokens.processed_length, c.tokens.current_position) for c in ctxs])
         offsets = np.zeros(len(ctxs) + 1, dtype=np.int64)  # [B + 1]
         np.cumsum([c.tokens.active_length for c in ctxs], out=offsets[1:])
         inputs[self.cross_group] = _cross_query_lengths(inputs[self.cross_group], ctxs)
         context = ForwardContext.build(inputs, self._group_params, torch.from_numpy(offsets), len(ids), self.layer_map)
         last = torch.from_numpy(offsets[1:] - 1).to(self.device)  # [B]
-        t0 = time.perf_counter()
-        with torch.inference_mode(), ed.decoder_positions(torch.from_numpy(positions).to(self.device)):
+        with torch.inference_mode(), ed.decoder_positions(context.positions):
             out = self.model(
                 decoder_input_ids=torch.from_numpy(ids).to(self.device)[None], encoder_outputs=(self._encoder_placeholder,),
                 past_key_values=self._cache, use_cache=True, **{ATTENTION_NAME: context},
             )  # fmt: skip
-        self.stats.forward_seconds += time.perf_counter() - t0
         return out.logits[0, last]  # [B, V]
 
     def _write_new_cross_kv(self, batch: list[Request]) -> None:

@@ -3,8 +3,9 @@
 One step = schedule -> forward -> sample -> update -> commit -> release:
 
     batch  = scheduler.schedule()                       # windows: decodes + prefill chunks
-    inputs = manager.runtime_inputs([ctxs])             # lookup table, cache lengths
-    logits = model(ids [1, T], position_ids [1, T], pagedkv=ForwardContext(...))
+    inputs = manager.runtime_inputs([ctxs])             # lookup table, cache lengths (copied to the device once)
+    ctx    = ForwardContext.build(inputs, ...)          # per group, once: options, checks, metadata, positions
+    logits = model(ids [1, T], position_ids=ctx.positions [1, T], pagedkv=ctx)
     each request whose window reached its last token samples one token; ctx.update(...)
     manager.step([ctxs]); finished requests are released
 """
@@ -25,8 +26,9 @@ from pagedkv.engine.checks import check_prompts, check_request
 from pagedkv.engine.request import Request
 from pagedkv.engine.sampling import SamplingParams, sample
 from pagedkv.engine.scheduler import Scheduler
-from pagedkv.hf.attention import ATTENTION_NAME, ForwardContext, register
+from pagedkv.hf.attention import register
 from pagedkv.hf.config import kv_layout
+from pagedkv.hf.context import ATTENTION_NAME, ForwardContext
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheQuantizationConfig
 from pagedkv.params_checks import check_weights_version
@@ -43,7 +45,6 @@ class EngineStats:
 
     steps: int = 0
     generated_tokens: int = 0
-    forward_seconds: float = 0.0
     wall_seconds: float = 0.0
 
 
@@ -275,19 +276,16 @@ class LLMEngine:
         groups = list(tree.children.values()) if isinstance(tree, MultiKVCacheInputs) else [tree]
         inputs = [g.inputs[0] for g in groups]  # one device
         ids = np.concatenate([c.tokens.active for c in ctxs]).astype(np.int64)  # [T]
-        positions = np.concatenate([np.arange(c.tokens.processed_length, c.tokens.current_position) for c in ctxs])
         offsets = np.zeros(len(ctxs) + 1, dtype=np.int64)  # [B + 1]
         np.cumsum([c.tokens.active_length for c in ctxs], out=offsets[1:])
         context = ForwardContext.build(inputs, self._group_params, torch.from_numpy(offsets), len(ids), self.layer_map)
-        t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model(
                 input_ids=torch.from_numpy(ids).to(self.device)[None],
-                position_ids=torch.from_numpy(positions).to(self.device)[None],
+                position_ids=context.positions[None],  # [1, T], computed once with the metadata
                 logits_to_keep=torch.from_numpy(offsets[1:] - 1).to(self.device),
                 **self._model_kwargs(context), **{ATTENTION_NAME: context},
             )  # fmt: skip
-        self.stats.forward_seconds += time.perf_counter() - t0
         return out.logits[0]  # [B, V]
 
     def _model_kwargs(self, context: ForwardContext) -> dict[str, Any]:

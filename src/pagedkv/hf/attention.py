@@ -6,84 +6,20 @@ attention layer calls `pagedkv_attention` with its new ``key``/``value``
 ``[1, H_kv, T, D]``. The layer's group (from `ForwardContext.layer_map`)
 says which page table and which layer slot it uses, and which tokens it sees
 (full, sliding window, chunked local, sinks): K/V are written into the pages
-(`ops.store_kv`) and the queries attend over them (`ops.paged_attention`).
+(``step.store``) and the queries attend over them (``step.attend``), with the
+group's `ops.PagedStep` that `ForwardContext.build` checked and built once for
+the whole pass (`pagedkv.hf.context`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from pagedkv import ops
-from pagedkv.ops.metadata import PagedMetadata
-from pagedkv.params import KVCacheParams
-from pagedkv.runtime.inputs import RaggedKVCacheInputs
+from pagedkv.hf.context import ATTENTION_NAME, ForwardContext, GroupContext
 
 __all__ = ["ATTENTION_NAME", "ForwardContext", "GroupContext", "pagedkv_attention", "register"]
-
-ATTENTION_NAME = "pagedkv"
-
-
-@dataclass(frozen=True, eq=False)
-class GroupContext:
-    """One page-table group's inputs for this forward pass and the tokens its layers see."""
-
-    inputs: RaggedKVCacheInputs
-    metadata: PagedMetadata
-    params: KVCacheParams
-
-    def attention_options(self) -> dict[str, Any]:
-        """`ops.paged_attention` keywords that follow from the group's attention kind."""
-        p = self.params
-        options: dict[str, Any] = {}
-        if p.sliding_window is not None:
-            options["sliding_window"] = p.sliding_window
-        if p.attention_chunk_size is not None:
-            options["chunk_size"] = p.attention_chunk_size
-        if p.sink_tokens:
-            options["sink_tokens"] = p.sink_tokens
-        if p.is_cross_attention:
-            options["causal"] = False
-        return options
-
-
-@dataclass(frozen=True, eq=False)
-class ForwardContext:
-    """What one forward pass needs to reach the pages: passed as ``model(..., pagedkv=ctx)``.
-
-    Attributes:
-        groups: one `GroupContext` per page-table group.
-        input_row_offsets: int [B + 1], where each request's tokens start on the packed axis.
-        layer_map: model layer index -> (group, layer slot in the group); empty means group 0, slot = index.
-    """
-
-    groups: list[GroupContext]
-    input_row_offsets: torch.Tensor
-    layer_map: dict[int, tuple[int, int]] = field(default_factory=dict)
-
-    @classmethod
-    def build(
-        cls,
-        inputs: list[RaggedKVCacheInputs],
-        params: list[KVCacheParams],
-        input_row_offsets: torch.Tensor,
-        num_tokens: int,
-        layer_map: dict[int, tuple[int, int]] | None = None,
-    ) -> ForwardContext:
-        """A context for one device: `inputs[g]` and `params[g]` per group, `num_tokens` packed tokens."""
-        offsets = input_row_offsets.to(inputs[0].cache_lengths.device)
-        groups = [
-            GroupContext(i, PagedMetadata.build(i, offsets, num_tokens, causal=not p.is_cross_attention), p)
-            for i, p in zip(inputs, params, strict=True)
-        ]
-        return cls(groups, offsets, dict(layer_map or {}))
-
-    def locate(self, layer_idx: int) -> tuple[GroupContext, int]:
-        """The group and layer slot of model layer `layer_idx`."""
-        group, slot = self.layer_map.get(layer_idx, (0, layer_idx))
-        return self.groups[group], slot
 
 
 def pagedkv_attention(
@@ -124,11 +60,10 @@ def pagedkv_attention(
     q = query[0].transpose(0, 1)  # [T, H_q, D]
     k = key[0].transpose(0, 1)  # [T, H_kv, D]
     v = value[0].transpose(0, 1)  # [T, H_kv, D]
-    ops.store_kv(k, v, group.inputs, ctx.input_row_offsets, slot, metadata=group.metadata)
-    out = ops.paged_attention(
-        q, group.inputs, ctx.input_row_offsets, slot, scale=scaling, softcap=kwargs.get("softcap"),
-        sinks=kwargs.get("s_aux"), metadata=group.metadata, **group.attention_options(),
-    )  # fmt: skip  # [T, H_q, D]
+    group.step.store(k, v, slot)
+    out = group.step.attend(
+        q, slot, scale=scaling, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux")
+    )  # [T, H_q, D]
     return out.unsqueeze(0), None  # [1, T, H_q, D]
 
 

@@ -34,10 +34,9 @@ import torch.nn.functional as F  # noqa: N812
 
 from pagedkv import ops
 from pagedkv.dtype import DType
-from pagedkv.hf.attention import ATTENTION_NAME, ForwardContext, GroupContext
 from pagedkv.hf.config import KVLayout, device_ref
+from pagedkv.hf.context import ATTENTION_NAME, ForwardContext, GroupContext
 from pagedkv.multi_params import MultiKVCacheParams
-from pagedkv.ops.metadata import PagedMetadata
 from pagedkv.params import KVCacheParams, KVCacheQuantizationConfig
 from pagedkv.runtime.inputs import RaggedKVCacheInputs, max_lengths_table
 
@@ -130,10 +129,7 @@ def cross_attention(
         raise ValueError(f"pagedkv packs the batch on the token axis: query batch must be 1, got {query.shape[0]}")
     group = cross_group(ctx)
     q = query[0].transpose(0, 1)  # [T, H, D]
-    out = ops.paged_attention(
-        q, group.inputs, ctx.input_row_offsets, int(module.layer_idx), scale=scaling,  # type: ignore[arg-type]
-        metadata=group.metadata, causal=False,
-    )  # fmt: skip  # [T, H, D]
+    out = group.step.attend(q, int(module.layer_idx), scale=scaling)  # type: ignore[arg-type]  # [T, H, D]
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 
@@ -237,10 +233,9 @@ def write_cross_kv(
         inputs.blocks, torch.zeros_like(inputs.cache_lengths), inputs.lookup_table,
         max_lengths_table(longest, longest), inputs.kv_scales,
     ).with_policy(inputs.nonfinite_kv)  # fmt: skip
-    offsets = offsets.to(inputs.cache_lengths.device)
-    metadata = PagedMetadata.build(target, offsets, num_tokens)  # causal: token i writes position i
+    step = ops.PagedStep.build(target, offsets.to(inputs.cache_lengths.device), num_tokens)  # causal: token i at i
     for i, layer in enumerate(_decoder(model).layers):
         attn = layer.encoder_attn
         key = attn.k_proj(hidden).view(num_tokens, -1, attn.head_dim)  # [S, H, D]
         value = attn.v_proj(hidden).view(num_tokens, -1, attn.head_dim)  # [S, H, D]
-        ops.store_kv(key, value, target, offsets, i, metadata=metadata)
+        step.store(key, value, i)

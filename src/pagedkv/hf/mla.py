@@ -22,8 +22,8 @@ hooks in at both points:
       score(t, s) = q_nope . (W_uk c_s) + q_pe . k_pe_s = [W_uk^T q_nope | q_pe] . [c_s | k_pe_s]
       out(t)      = sum_s p(t, s) W_uv c_s = W_uv (sum_s p(t, s) c_s)
 
-  so ``ops.paged_attention`` runs on ``[T, H, r + R]`` queries against the
-  single-head latent pages with ``v_head_dim=r`` (the values are the first r
+  so the group's ``step.attend`` (`ops.paged_attention`) runs on ``[T, H, r + R]``
+  queries against the single-head latent pages with ``v_head_dim=r`` (the values are the first r
   elements of each slot), and ``W_uv`` maps its ``[T, H, r]`` output to
   ``[T, H, v]``. The scores equal transformers' exactly (up to float rounding),
   so the softmax scale is the layer's own (``module.scaling``, yarn mscale
@@ -37,8 +37,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from pagedkv import ops
-from pagedkv.hf.attention import ForwardContext, GroupContext
+from pagedkv.hf.context import ForwardContext, GroupContext
 
 __all__ = ["PagedLatentCache", "mla_attention", "model_kwargs"]
 
@@ -64,8 +63,8 @@ class PagedLatentCache(Cache):
 
     Contract: ``update(k_nope [1, 1, T, r], k_pe [1, 1, T, R], layer_idx)``
     stores ``cat(k_nope, k_pe)`` as ``[T, 1, r + R]`` into the pages of model
-    layer `layer_idx` at the step's token slots (``ops.store_kv`` with the
-    context's metadata) and returns ``(k_nope, k_pe)`` unchanged: the cached
+    layer `layer_idx` at the step's token slots (``step.store`` of the
+    layer's group: `ops.store_kv`) and returns ``(k_nope, k_pe)`` unchanged: the cached
     past is read by `mla_attention`, never by transformers. The cache keeps no
     tensors itself (``layers`` is empty), so ``get_seq_length()`` is 0 and
     transformers' mask sizing sees only the step's tokens; positions must be
@@ -87,9 +86,7 @@ class PagedLatentCache(Cache):
             )
         group, slot = _mla_group(self.context, layer_idx)
         latent = torch.cat((key_states[0, 0], value_states[0, 0]), dim=-1)  # [T, r + R]
-        ops.store_kv(
-            latent.unsqueeze(1), None, group.inputs, self.context.input_row_offsets, slot, metadata=group.metadata
-        )  # [T, 1, r + R] into the pages
+        group.step.store(latent.unsqueeze(1), None, slot)  # [T, 1, r + R] into the pages
         return key_states, value_states
 
 
@@ -134,8 +131,6 @@ def mla_attention(
     q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, r]
     q_absorbed = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, r + R]
     scale = float(module.scaling) if scaling is None else scaling
-    out_latent = ops.paged_attention(
-        q_absorbed, group.inputs, ctx.input_row_offsets, slot, scale=scale, v_head_dim=rank, metadata=group.metadata
-    )  # [T, H, r]
+    out_latent = group.step.attend(q_absorbed, slot, scale=scale, v_head_dim=rank)  # [T, H, r]
     out = torch.einsum("thr,hvr->thv", out_latent.to(query.dtype), w_uv)  # [T, H, v]
     return out.unsqueeze(0), None  # [1, T, H, v]

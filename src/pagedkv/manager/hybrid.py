@@ -83,8 +83,10 @@ def allocate_buffers(params: KVCacheParamInterface, total_num_pages: int) -> lis
 
 
 def _device_tensors(tables: BatchTables, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    lut = torch.from_numpy(tables.lookup_table).to(device, copy=True)  # [B, cols]
-    lengths = torch.from_numpy(tables.cache_lengths).to(device, copy=True)  # [B]
+    from pagedkv.runtime.transfer import to_device
+
+    lut = to_device(torch.from_numpy(tables.lookup_table), device)  # [B, cols]
+    lengths = to_device(torch.from_numpy(tables.cache_lengths), device)  # [B]
     return lut, lengths, max_lengths_table(tables.max_prompt_length, tables.max_cache_length)  # [1, 2] CPU
 
 

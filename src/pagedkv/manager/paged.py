@@ -260,12 +260,14 @@ class PagedKVCacheManager:
     def _device_tables(
         self, r: int, tables: BatchTables
     ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        from pagedkv.runtime.transfer import to_device
+
         lut = torch.from_numpy(tables.lookup_table)  # [B, cols]
         lengths = torch.from_numpy(tables.cache_lengths)  # [B]
         max_lengths = max_lengths_table(tables.max_prompt_length, tables.max_cache_length)  # [1, 2]
         for s, device in enumerate(self.params.devices_per_replica[r]):
             dev = device.to_torch()
-            yield r, s, lut.to(dev, copy=True), lengths.to(dev, copy=True), max_lengths
+            yield r, s, to_device(lut, dev), to_device(lengths, dev), max_lengths  # [B, cols], [B]
 
     def _assemble(self, params: KVCacheParamInterface, buffers: list[Any], per_device: list[Any]) -> KVCacheInputs:
         if isinstance(params, MultiKVCacheParams):

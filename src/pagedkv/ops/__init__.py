@@ -9,23 +9,33 @@ for decode batches on CUDA when triton is installed, else torch;
 kernel implements plain causal attention only: any masking option of
 `paged_attention` (`pagedkv.ops.masks`) sends ``"auto"`` to torch, and a forced
 ``"triton"`` raises.
+
+Arguments are checked once, at the entry point (`pagedkv.ops.checks`); the
+backends do not check them again. A model step calls the ops once per layer
+with the same cache inputs, offsets and options: `PagedStep` checks those and
+builds the metadata once per step, and its `store` / `attend` go straight to
+the backend for every layer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from pagedkv.ops import reference, torch_ops
-from pagedkv.ops.checks import check_attention, check_store, reject_nonfinite
+from pagedkv.ops.checks import check_attention, check_step, check_store, reject_nonfinite
 from pagedkv.ops.masks import AttentionOptions
 from pagedkv.ops.metadata import PagedMetadata
 from pagedkv.runtime.inputs import RaggedKVCacheInputs
 
-__all__ = ["AttentionOptions", "PagedMetadata", "paged_attention", "store_kv", "set_backend", "use_backend", "BACKENDS"]
+__all__ = [
+    "AttentionOptions", "PagedMetadata", "PagedStep", "paged_attention", "store_kv", "set_backend", "use_backend",
+    "BACKENDS",
+]  # fmt: skip
 
 BACKENDS = ("auto", "reference", "torch", "triton")
 _backend = "auto"
@@ -75,6 +85,20 @@ def store_kv(
     (`KVCacheParams.nonfinite_kv`) also ValueError when K or V holds NaN or inf, the cache unchanged.
     """
     check_store(key, value, inputs, input_row_offsets, layer, metadata)
+    if metadata is not None and not metadata.causal:
+        raise ValueError("store_kv needs causal metadata: causal=False (cross-attention) steps store no keys")
+    _store(key, value, inputs, input_row_offsets, layer, metadata)
+
+
+def _store(
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    inputs: RaggedKVCacheInputs,
+    input_row_offsets: torch.Tensor,
+    layer: int,
+    metadata: PagedMetadata | None,
+) -> None:
+    """`store_kv` on checked arguments: the non-finite policy, then the backend."""
     if inputs.nonfinite_kv != "pass":
         reject_nonfinite(key, value, layer)
     if _backend == "reference":
@@ -127,16 +151,30 @@ def paged_attention(
     """
     check_attention(query, inputs, input_row_offsets, layer, scale, softcap, metadata)
     options = AttentionOptions(sliding_window, chunk_size, sink_tokens, sinks, v_head_dim, causal)
-    kwargs: dict[str, Any] = dict(
-        sliding_window=sliding_window, chunk_size=chunk_size, sink_tokens=sink_tokens, sinks=sinks,
-        v_head_dim=v_head_dim, causal=causal,
-    )  # fmt: skip
+    options.check(query.shape[1], inputs.blocks.shape[5])
+    if metadata is not None and metadata.causal != causal:
+        raise ValueError(f"causal={causal} but the metadata was built with causal={metadata.causal}")
+    return _attend(query, inputs, input_row_offsets, layer, scale, softcap, metadata, options)
+
+
+def _attend(
+    query: torch.Tensor,
+    inputs: RaggedKVCacheInputs,
+    input_row_offsets: torch.Tensor,
+    layer: int,
+    scale: float | None,
+    softcap: float | None,
+    metadata: PagedMetadata | None,
+    options: AttentionOptions,
+) -> torch.Tensor:
+    """`paged_attention` on checked arguments: picks the backend; returns [T, H_q, Dv]."""
     if _backend == "reference":
         return reference.paged_attention_reference(
             query, inputs.blocks, inputs.lookup_table, inputs.cache_lengths, input_row_offsets, layer, scale,
-            softcap, inputs.kv_scales, **kwargs,
-        )  # fmt: skip
-    meta = metadata or PagedMetadata.build(inputs, input_row_offsets, query.shape[0], causal=causal)
+            softcap, inputs.kv_scales, sliding_window=options.sliding_window, chunk_size=options.chunk_size,
+            sink_tokens=options.sink_tokens, sinks=options.sinks, v_head_dim=options.v_head_dim, causal=options.causal,
+        )  # fmt: skip  # [T, H_q, Dv]
+    meta = metadata or PagedMetadata.build(inputs, input_row_offsets, query.shape[0], causal=options.causal)
     unsupported = options.enabled
     if _backend == "triton":
         if unsupported:
@@ -146,7 +184,85 @@ def paged_attention(
     if _backend == "triton" or (_backend == "auto" and not unsupported and _triton_usable(query, meta)):
         from pagedkv.ops import triton_decode
 
-        return triton_decode.paged_decode(query, inputs.blocks, meta, layer, scale, softcap, inputs.kv_scales)
-    return torch_ops.paged_attention(
-        query, inputs.blocks, meta, layer, scale, softcap, inputs.kv_scales, **kwargs
-    )  # fmt: skip
+        return triton_decode.paged_decode(
+            query, inputs.blocks, meta, layer, scale, softcap, inputs.kv_scales, checked=True
+        )  # [T, H_q, D]
+    return torch_ops.paged_attention(query, inputs.blocks, meta, layer, scale, softcap, inputs.kv_scales, options)
+
+
+@dataclass(frozen=True, eq=False)
+class PagedStep:
+    """One page-table group's share of a model step: checked once, used by every layer.
+
+    `build` checks the cache inputs, the row offsets and the options (`pagedkv.ops.checks`) and
+    builds the `PagedMetadata`, once per step; `store` and `attend` then run one layer's
+    `store_kv` / `paged_attention` on those without checking them again: only the layer index
+    is bounds-checked, the layer's tensors are the model's. The results are those of
+    `store_kv` / `paged_attention` with the same arguments.
+
+    Attributes:
+        inputs: the group's cache inputs of this step.
+        input_row_offsets: int64 [B + 1] on the cache's device.
+        metadata: the step's index tensors.
+        options: the group's attention options (window, chunk, sink tokens, causality).
+    """
+
+    inputs: RaggedKVCacheInputs
+    input_row_offsets: torch.Tensor
+    metadata: PagedMetadata
+    options: AttentionOptions
+
+    @classmethod
+    def build(
+        cls,
+        inputs: RaggedKVCacheInputs,
+        input_row_offsets: torch.Tensor,
+        num_tokens: int | None = None,
+        options: AttentionOptions | None = None,
+        *,
+        positions_of: PagedMetadata | None = None,
+    ) -> PagedStep:
+        """Check the step's arguments and build its metadata (see `PagedMetadata.build` for the keywords).
+
+        `options` (default: plain causal attention) must not carry per-layer `sinks`; pass those to `attend`.
+        Raises TypeError / ValueError like `store_kv` and `paged_attention` do for these arguments.
+        """
+        options = options or AttentionOptions()
+        blocks = check_step(inputs, input_row_offsets)
+        if options.sinks is not None:
+            raise ValueError("PagedStep options take no sinks: learned sinks are per layer, pass them to attend()")
+        options.check(blocks.shape[4], blocks.shape[5])
+        metadata = PagedMetadata.build(
+            inputs, input_row_offsets, num_tokens, causal=options.causal, positions_of=positions_of
+        )
+        return cls(inputs, metadata.input_row_offsets, metadata, options)
+
+    def store(self, key: torch.Tensor, value: torch.Tensor | None, layer: int) -> None:
+        """`store_kv(key [T, H_kv, D], value, ...)` of `layer` into this step's slots."""
+        if not self.options.causal:
+            raise ValueError("store_kv needs causal metadata: causal=False (cross-attention) steps store no keys")
+        if not 0 <= layer < self.inputs.blocks.shape[2]:  # the one per-layer argument
+            raise ValueError(f"layer={layer} must be in [0, {self.inputs.blocks.shape[2]}) (the cache's layers)")
+        _store(key, value, self.inputs, self.input_row_offsets, layer, self.metadata)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        layer: int,
+        *,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        v_head_dim: int | None = None,
+    ) -> torch.Tensor:
+        """`paged_attention(query [T, H_q, D], ...)` of `layer` with the step's options: [T, H_q, Dv].
+
+        `sinks` [H_q] (a layer's learned sinks) and `v_head_dim` (MLA) join the step's options for
+        this call only; like the query, they come from the model's layer and are not checked here.
+        """
+        if not 0 <= layer < self.inputs.blocks.shape[2]:  # the one per-layer argument
+            raise ValueError(f"layer={layer} must be in [0, {self.inputs.blocks.shape[2]}) (the cache's layers)")
+        options = self.options
+        if sinks is not None or v_head_dim is not None:
+            options = dataclasses.replace(options, sinks=sinks, v_head_dim=v_head_dim)
+        return _attend(query, self.inputs, self.input_row_offsets, layer, scale, softcap, self.metadata, options)

@@ -1,6 +1,9 @@
-"""Argument checks of `ops.store_kv` and `ops.paged_attention`, shared by every backend.
+"""Argument checks of `ops.store_kv`, `ops.paged_attention` and `ops.PagedStep`, done once at the entry point.
 
-They run before anything is read or written, on tensor attributes only (shape, dtype, device: no
+The backends (torch, Triton) trust what passed here and do not check it again.
+`check_step` covers what a whole step shares (the cache inputs and row offsets):
+`ops.PagedStep.build` runs it once per step instead of once per layer. They run
+before anything is read or written, on tensor attributes only (shape, dtype, device: no
 device sync), and raise TypeError (wrong type or dtype) or ValueError (wrong shape, device, layer),
 naming the argument, its value and what was expected. `reject_nonfinite` is the
 ``nonfinite_kv="reject"`` policy: it is called only under that policy, so "pass" costs nothing.
@@ -16,14 +19,14 @@ import torch
 from pagedkv.ops.metadata import PagedMetadata
 from pagedkv.runtime.inputs import RaggedKVCacheInputs
 
-__all__ = ["check_attention", "check_store", "reject_nonfinite"]
+__all__ = ["check_attention", "check_step", "check_store", "reject_nonfinite"]
 
 
 _INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 
 
-def _check_inputs(inputs: Any, offsets: Any, layer: Any) -> torch.Tensor:
-    """The cache inputs, the row offsets and the layer; returns the page tensor."""
+def check_step(inputs: Any, offsets: Any) -> torch.Tensor:
+    """What every layer of a step shares: the cache inputs and the row offsets; returns the page tensor."""
     if not isinstance(inputs, RaggedKVCacheInputs):
         raise TypeError(f"inputs must be RaggedKVCacheInputs, got {type(inputs).__name__}")
     blocks = inputs.blocks
@@ -38,6 +41,12 @@ def _check_inputs(inputs: Any, offsets: Any, layer: Any) -> torch.Tensor:
         raise TypeError(f"input_row_offsets must be an integer torch.Tensor [B + 1], got {type(offsets).__name__}")
     if offsets.dtype not in _INT_DTYPES:
         raise TypeError(f"input_row_offsets has dtype {offsets.dtype}; it must be an integer tensor")
+    return blocks
+
+
+def _check_inputs(inputs: Any, offsets: Any, layer: Any) -> torch.Tensor:
+    """The cache inputs, the row offsets and the layer; returns the page tensor."""
+    blocks = check_step(inputs, offsets)
     if type(layer) is not int and (not isinstance(layer, int) or isinstance(layer, bool)):
         raise TypeError(f"layer={layer!r} must be an int")
     if not 0 <= layer < blocks.shape[2]:

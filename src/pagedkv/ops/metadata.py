@@ -78,6 +78,7 @@ class PagedMetadata:
         step: int = 0,
         *,
         causal: bool = True,
+        positions_of: PagedMetadata | None = None,
     ) -> PagedMetadata:
         """Metadata for `inputs` and the batch's `input_row_offsets` (int [B + 1], starting at 0).
 
@@ -85,11 +86,15 @@ class PagedMetadata:
         sync; on CPU it is read from the offsets. `step` picks the row of a
         multistep `max_lengths` table (after `increment_cache_lengths`, row 0
         is again the current step). ``causal=False`` builds a cross-attention
-        step (see module docstring). Raises ValueError when the offsets do not
-        match the batch size.
+        step (see module docstring). `positions_of`: the metadata of another
+        page-table group of the same step whose inputs share this one's
+        ``cache_lengths`` tensor (hybrid models) and offsets; its token
+        requests and positions are reused instead of computed again. Raises
+        ValueError when the offsets do not match the batch size.
         """
+        if positions_of is not None:
+            return cls._with_positions(inputs, positions_of, step, causal)
         device = inputs.cache_lengths.device
-        page_size = inputs.blocks.shape[3]
         lengths = inputs.cache_lengths.to(torch.int64)  # [B]
         offsets = input_row_offsets.to(device=device, dtype=torch.int64)  # [B + 1]
         if offsets.dim() != 1 or offsets.shape[0] != lengths.shape[0] + 1:
@@ -109,6 +114,30 @@ class PagedMetadata:
         token_position = lengths[token_request] + (
             torch.arange(token_request.shape[0], device=device) - offsets[:-1][token_request]
         )  # [T]
+        return cls._assemble(inputs, offsets, lengths, token_request, token_position, max_q, max_kv, causal)
+
+    @classmethod
+    def _with_positions(
+        cls, inputs: RaggedKVCacheInputs, other: PagedMetadata, step: int, causal: bool
+    ) -> PagedMetadata:
+        """`build` for a group that shares `other`'s cache lengths and offsets: only its own pages differ."""
+        if inputs.lookup_table.shape[0] != other.num_requests:
+            raise ValueError(f"positions_of has {other.num_requests} requests; these inputs have "
+                             f"{inputs.lookup_table.shape[0]}")  # fmt: skip
+        max_q, max_kv = (int(v) for v in inputs.max_lengths[step].tolist())  # host table: no device sync
+        return cls._assemble(
+            inputs, other.input_row_offsets, other.cache_lengths, other.token_request, other.token_position,
+            max_q, max_kv, causal,
+        )  # fmt: skip
+
+    @classmethod
+    def _assemble(
+        cls, inputs: RaggedKVCacheInputs, offsets: torch.Tensor, lengths: torch.Tensor, token_request: torch.Tensor,
+        token_position: torch.Tensor, max_q: int, max_kv: int, causal: bool,
+    ) -> PagedMetadata:  # fmt: skip
+        """The metadata of `inputs`' pages for the step's token requests and positions ([T] each)."""
+        page_size = inputs.blocks.shape[3]
+        q_lens = offsets[1:] - offsets[:-1]  # [B]
         lut = inputs.lookup_table.to(torch.int64)  # [B, C]
         if causal:
             slot_page = lut[token_request, token_position // page_size]  # [T]

@@ -50,19 +50,10 @@ def store_kv(
 
     FP8 caches (`kv_scales` [P + 1, kv_dim, L, page_size, H_kv, G]) store each
     (token, head, group) quantized with its own scale, bit-identical to the
-    reference. Raises ValueError on a shape mismatch or cross-attention
-    (``causal=False``) metadata, whose tokens own no slots.
+    reference. The arguments (shapes, causal metadata) were checked by the
+    caller (`pagedkv.ops.store_kv` or `pagedkv.ops.PagedStep`).
     """
-    if not meta.causal:
-        raise ValueError("store_kv needs causal metadata: causal=False (cross-attention) steps store no keys")
     tensors = (key,) if value is None else (key, value)
-    if len(tensors) > kv_blocks.shape[1]:
-        raise ValueError(f"value given for a cache with kv_dim={kv_blocks.shape[1]} (MLA stores K only)")
-    for x in tensors:
-        if tuple(x.shape) != (meta.num_tokens, *kv_blocks.shape[4:]):
-            raise ValueError(
-                f"K/V shape {tuple(x.shape)} != [T={meta.num_tokens}, H_kv, D]={tuple(kv_blocks.shape[4:])}"
-            )
     page, slot = meta.slot_page, meta.slot_offset  # [T], [T]
     for kv, x in enumerate(tensors):
         if kv_scales is None:

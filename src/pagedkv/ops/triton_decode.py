@@ -121,14 +121,27 @@ def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def _check(
+def _check_kernel(
+    query: torch.Tensor, kv_blocks: torch.Tensor, meta: PagedMetadata, layer: int, kv_scales: Any, checked: bool
+) -> None:
+    """What the kernel needs beyond `pagedkv.ops.checks` (a decode batch, contiguous pages, CUDA); all unless `checked`."""
+    if meta.max_q_len != 1 or meta.num_tokens != meta.num_requests:
+        raise ValueError(f"paged_decode takes decode batches (one token per request); got max_q_len="
+                         f"{meta.max_q_len}, {meta.num_tokens} tokens for {meta.num_requests} requests")  # fmt: skip
+    if not checked:
+        _check_arguments(query, kv_blocks, meta, layer, kv_scales)
+    if not kv_blocks.is_contiguous() or meta.lookup_table.stride(-1) != 1:
+        raise ValueError("kv_blocks and the lookup table must be contiguous")
+    if kv_scales is not None and (query.shape[-1] % kv_scales.shape[-1] or not kv_scales.is_contiguous()):
+        raise ValueError(f"kv_scales {tuple(kv_scales.shape)} must be contiguous [..., G] with G | D")
+    if query.device.type != "cuda" and not _kernels().INTERPRETED:
+        raise ValueError(f"paged_decode needs CUDA tensors (or TRITON_INTERPRET=1); got {query.device}")
+
+
+def _check_arguments(
     query: torch.Tensor, kv_blocks: torch.Tensor, meta: PagedMetadata, layer: int, kv_scales: torch.Tensor | None
 ) -> None:
-    if meta.max_q_len != 1 or meta.num_tokens != meta.num_requests:
-        raise ValueError(
-            f"paged_decode takes decode batches (one token per request); got max_q_len={meta.max_q_len}, "
-            f"{meta.num_tokens} tokens for {meta.num_requests} requests"
-        )
+    """Shapes, layer and devices of a direct call (the `pagedkv.ops` entry points check these themselves)."""
     if query.dim() != 3 or kv_blocks.dim() != 6 or query.shape[0] != meta.num_requests:
         raise ValueError(f"query {tuple(query.shape)} must be [B={meta.num_requests}, H_q, D]; kv_blocks must be 6-D")
     num_q_heads, head_dim = query.shape[1], query.shape[2]
@@ -140,13 +153,8 @@ def _check(
         )
     if not 0 <= layer < kv_blocks.shape[2]:
         raise ValueError(f"layer={layer} must be in [0, {kv_blocks.shape[2]})")
-    if not kv_blocks.is_contiguous() or meta.lookup_table.stride(-1) != 1:
-        raise ValueError("kv_blocks and the lookup table must be contiguous")
-    if kv_scales is not None:
-        if kv_scales.shape[:5] != kv_blocks.shape[:5] or head_dim % kv_scales.shape[5] or not kv_scales.is_contiguous():
-            raise ValueError(f"kv_scales {tuple(kv_scales.shape)} must be contiguous [*kv_blocks.shape[:5], G], G | D")
-    if query.device != kv_blocks.device or (query.device.type != "cuda" and not _kernels().INTERPRETED):
-        raise ValueError(f"paged_decode needs CUDA tensors (or TRITON_INTERPRET=1); got {query.device}")
+    if query.device != kv_blocks.device or (kv_scales is not None and kv_scales.shape[:5] != kv_blocks.shape[:5]):
+        raise ValueError("query, kv_blocks and kv_scales ([*kv_blocks.shape[:5], G]) must fit, on one device")
 
 
 def paged_decode(
@@ -159,6 +167,7 @@ def paged_decode(
     kv_scales: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
+    checked: bool = False,
 ) -> torch.Tensor:
     """Decode attention of query [B, H_q, D] over each request's kv_lengths[b] cached positions.
 
@@ -168,9 +177,10 @@ def paged_decode(
     float32 softmax; FP8 pages are dequantized with `kv_scales` in the kernel.
     `num_splits` overrides the split count (tests use it to exercise the merge).
     Returns [B, H_q, D] in query's dtype. Raises ValueError for a batch that is
-    not decode-only or shapes that do not fit.
+    not decode-only or shapes that do not fit. ``checked=True`` (the `pagedkv.ops`
+    dispatcher, past its entry point's checks) checks only the kernel's own needs.
     """
-    _check(query, kv_blocks, meta, layer, kv_scales)
+    _check_kernel(query, kv_blocks, meta, layer, kv_scales, checked)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)  # [B, H_q, D]
     if query.shape[0] == 0:
         return out

@@ -1,0 +1,136 @@
+"""How many pagedkv functions one `LLMEngine` decode step calls, per layer.
+
+`count_step_calls` builds a tiny transformers Llama from a config with random
+weights (`pagedkv.demo.build_llama`), prefills a few prompts, then profiles
+`steps` decode steps with `sys.setprofile`: every call whose code object lives
+in the pagedkv package counts once under its qualified name. The counts are
+divided by steps and by layers, so a function that runs once per step shows
+``1 / num_layers`` and one that runs once per layer shows ``1`` (or more when
+it runs several times in a layer). `main()` prints the table (the bench CLI
+wires it up).
+
+The families the engine's "one decode step, one pass" design is about are
+summed under `FAMILIES`: attention-option builds, argument validation,
+position computations and host-to-device copies of the step's tables.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections import Counter
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+
+import pagedkv
+
+__all__ = ["FAMILIES", "count_step_calls", "step_call_counts", "main"]
+
+_ROOT = str(Path(pagedkv.__file__).resolve().parent)
+_GENERATOR_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+# family -> qualified function names (module:qualname) that belong to it
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "attention options": (
+        "pagedkv.hf.attention:GroupContext.attention_options",
+        "pagedkv.ops.masks:AttentionOptions.__init__",
+    ),
+    "validation": (
+        "pagedkv.ops.checks:check_store",
+        "pagedkv.ops.checks:check_attention",
+        "pagedkv.ops.checks:check_step",
+        "pagedkv.ops.checks:_check_inputs",
+        "pagedkv.ops.checks:_check_tokens",
+        "pagedkv.ops.masks:AttentionOptions.check",
+        "pagedkv.ops.torch_ops:_check_query",
+        "pagedkv.ops.triton_decode:_check",
+        "pagedkv.ops.triton_decode:_check_arguments",
+    ),
+    "positions": ("pagedkv.ops.metadata:PagedMetadata.build",),
+    "host-to-device copies": ("pagedkv.runtime.transfer:to_device",),
+}
+
+
+def _name(frame: FrameType) -> str:
+    code = frame.f_code
+    module = frame.f_globals.get("__name__", "?")
+    return f"{module}:{getattr(code, 'co_qualname', code.co_name)}"
+
+
+def step_call_counts(engine: Any, steps: int) -> Counter[str]:
+    """Calls of pagedkv functions (module:qualname -> count) over `steps` calls of ``engine.step()``."""
+    counts: Counter[str] = Counter()
+    resumed: set[FrameType] = set()  # generator frames already counted (each resumption is a "call" event)
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        code = frame.f_code
+        if code.co_filename.startswith(_ROOT):
+            if code.co_flags & _GENERATOR_FLAGS:
+                if frame in resumed:
+                    return
+                resumed.add(frame)
+            counts[_name(frame)] += 1
+        elif code.co_name == "__init__":  # a dataclass's generated __init__ (its code lives in "<string>")
+            cls = type(frame.f_locals.get("self"))
+            if cls.__module__.startswith("pagedkv"):
+                counts[f"{cls.__module__}:{cls.__qualname__}.__init__"] += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        sys.setprofile(previous)
+    counts.pop(f"{__name__}:step_call_counts.<locals>.profile", None)
+    return counts
+
+
+def count_step_calls(
+    num_layers: int = 4, batch: int = 3, steps: int = 4, prompt_length: int = 12, page_size: int = 4
+) -> dict[str, Any]:
+    """Profile `steps` decode steps of a `batch`-request tiny Llama with `num_layers` layers (CPU).
+
+    Returns ``{"num_layers", "steps", "per_layer_step": {function: calls / (steps * num_layers)},
+    "families": {family: calls / (steps * num_layers)}, "per_step": {function: calls / steps}}``.
+    """
+    from pagedkv.demo import build_llama
+    from pagedkv.engine import LLMEngine
+
+    model = build_llama(
+        0, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    engine = LLMEngine.from_hf(model, page_size=page_size, num_pages=64 + batch * 16, max_num_batched_tokens=512)
+    for b in range(batch):
+        engine.add_request([(7 * b + i) % 100 + 1 for i in range(prompt_length)], max_new_tokens=steps + 2)
+    with torch.inference_mode():
+        engine.step()  # the prefill; every later step decodes one token per request
+        counts = step_call_counts(engine, steps)
+    per_step = {name: n / steps for name, n in counts.items()}
+    per_layer = {name: n / (steps * num_layers) for name, n in counts.items()}
+    families = {family: sum(per_layer.get(n, 0.0) for n in names) for family, names in FAMILIES.items()}
+    return {"num_layers": num_layers, "steps": steps, "per_layer_step": per_layer, "per_step": per_step,
+            "families": families}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print per-layer-per-step call counts of pagedkv functions in a decode step (most called first)."""
+    layers = int(argv[0]) if argv else 4
+    result = count_step_calls(num_layers=layers)
+    print(f"pagedkv calls per layer per decode step ({result['num_layers']} layers, {result['steps']} steps)")
+    for family, n in result["families"].items():
+        print(f"  {family:<28} {n:8.3f}")
+    print()
+    rows = sorted(result["per_layer_step"].items(), key=lambda kv: (-kv[1], kv[0]))
+    for name, n in rows:
+        print(f"  {n:8.3f}  {name}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

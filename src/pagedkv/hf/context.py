@@ -1,0 +1,114 @@
+"""The forward context: what one model forward pass needs to reach the pages, built once per step.
+
+`ForwardContext.build` runs once per engine step, before the model: per
+page-table group it derives the attention options from the group's
+`KVCacheParams` and builds an `ops.PagedStep` (arguments checked, metadata and
+token positions computed), so every attention layer of the pass only looks up
+its group and calls ``step.store`` / ``step.attend``. The attention functions
+of `pagedkv.hf.attention`, `pagedkv.hf.mla` and `pagedkv.hf.encoder_decoder`
+all read this module's types; it imports none of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedkv import ops
+from pagedkv.ops.masks import AttentionOptions
+from pagedkv.ops.metadata import PagedMetadata
+from pagedkv.params import KVCacheParams
+from pagedkv.runtime.inputs import RaggedKVCacheInputs
+
+__all__ = ["ATTENTION_NAME", "ForwardContext", "GroupContext", "attention_options"]
+
+ATTENTION_NAME = "pagedkv"
+
+
+def attention_options(params: KVCacheParams) -> AttentionOptions:
+    """The `ops.paged_attention` options that follow from a group's attention kind (window, chunk, sinks, cross)."""
+    return AttentionOptions(
+        sliding_window=params.sliding_window,
+        chunk_size=params.attention_chunk_size,
+        sink_tokens=params.sink_tokens,
+        causal=not params.is_cross_attention,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class GroupContext:
+    """One page-table group's step (checked inputs, metadata, options) and the params it came from."""
+
+    params: KVCacheParams
+    step: ops.PagedStep
+
+    @property
+    def inputs(self) -> RaggedKVCacheInputs:
+        """The group's cache inputs of this step."""
+        return self.step.inputs
+
+    @property
+    def metadata(self) -> PagedMetadata:
+        """The group's index tensors of this step."""
+        return self.step.metadata
+
+    @property
+    def options(self) -> AttentionOptions:
+        """The group's attention options (built once per step)."""
+        return self.step.options
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardContext:
+    """What one forward pass needs to reach the pages: passed as ``model(..., pagedkv=ctx)``.
+
+    Attributes:
+        groups: one `GroupContext` per page-table group.
+        input_row_offsets: int [B + 1], where each request's tokens start on the packed axis.
+        layer_map: model layer index -> (group, layer slot in the group); empty means group 0, slot = index.
+    """
+
+    groups: list[GroupContext]
+    input_row_offsets: torch.Tensor
+    layer_map: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        inputs: list[RaggedKVCacheInputs],
+        params: list[KVCacheParams],
+        input_row_offsets: torch.Tensor,
+        num_tokens: int,
+        layer_map: dict[int, tuple[int, int]] | None = None,
+    ) -> ForwardContext:
+        """A context for one device: `inputs[g]` and `params[g]` per group, `num_tokens` packed tokens.
+
+        Per group, once: the attention options, the argument checks and the metadata
+        (`ops.PagedStep.build`). Groups whose inputs share one ``cache_lengths`` tensor (the
+        decoder groups of a hybrid model) share one computation of the token positions.
+        """
+        offsets = input_row_offsets.to(inputs[0].cache_lengths.device)  # [B + 1]
+        groups: list[GroupContext] = []
+        positions: dict[int, PagedMetadata] = {}  # id(cache_lengths) -> the first metadata built over it
+        for group_inputs, group_params in zip(inputs, params, strict=True):
+            key = id(group_inputs.cache_lengths)
+            step = ops.PagedStep.build(
+                group_inputs, offsets, num_tokens, attention_options(group_params), positions_of=positions.get(key)
+            )
+            positions.setdefault(key, step.metadata)
+            groups.append(GroupContext(group_params, step))
+        return cls(groups, offsets, dict(layer_map or {}))
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """int64 [T] on the cache's device: each packed token's position (the first causal group's metadata)."""
+        for group in self.groups:
+            if group.options.causal:
+                return group.metadata.token_position  # [T]
+        raise ValueError("this forward context has no causal page-table group, so no token positions")
+
+    def locate(self, layer_idx: int) -> tuple[GroupContext, int]:
+        """The group and layer slot of model layer `layer_idx`."""
+        group, slot = self.layer_map.get(layer_idx, (0, layer_idx))
+        return self.groups[group], slot
