@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from pagedkv.cli import main
+from pagedkv.cli import BENCH_COMMANDS, main, parser
 
 
 def test_demo_verifies_and_leaks_nothing(capsys: pytest.CaptureFixture[str]) -> None:
@@ -83,3 +84,65 @@ def test_tier_demo_second_process_reads_the_first_ones_pages_from_disk(capsys: p
     assert "outputs: 6/6 identical" in out and "TTFT speedup" in out
     with pytest.raises(ValueError, match="--connector redis needs --redis-url"):
         run_tier_demo("redis")
+
+
+def _bench_parsers() -> dict[str, argparse.ArgumentParser]:
+    """`pagedkv bench`'s subcommand parsers by name (read from the parser, nothing runs)."""
+    top = parser()
+    [bench] = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    [kinds] = [a for a in bench.choices["bench"]._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(kinds.choices)
+
+
+def test_every_bench_command_is_registered_and_takes_json_and_plots_where_it_has_tables(tmp_path: Path) -> None:
+    parsers = _bench_parsers()
+    assert set(parsers) == set(BENCH_COMMANDS)
+    assert {"manager", "attention", "triton", "fp8", "engine", "hybrid", "tiers", "compare", "soak", "faults"} <= set(
+        parsers
+    )
+    for name, cmd in BENCH_COMMANDS.items():
+        argv = ["bench", name, "--json", str(tmp_path / "r.json")]
+        args = parser().parse_args(argv)
+        assert args.json == tmp_path / "r.json", name
+        if cmd.tables:
+            args = parser().parse_args([*argv, "--plots", str(tmp_path / "plots")])
+            assert args.plots == tmp_path / "plots", name
+        else:
+            assert "--plots" not in parsers[name]._option_string_actions, name
+    assert not BENCH_COMMANDS["triton"].tables  # one line of figures, no table
+
+
+def test_bench_help_shows_every_flags_meaning_and_default(capsys: pytest.CaptureFixture[str]) -> None:
+    for name, p in _bench_parsers().items():
+        for action in p._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help and action.help != argparse.SUPPRESS, (name, action.dest)
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", name, "--help"])
+        assert exit_.value.code == 0
+        text = "".join(capsys.readouterr().out.split())  # argparse wraps lines, also inside long defaults
+        for action in p._actions:
+            if action.default not in (None, False, argparse.SUPPRESS) and action.option_strings:
+                assert f"(default:{action.default})".replace(" ", "") in text, (name, action.dest)
+    out = " ".join(_bench_parsers()["manager"].format_help().split())
+    assert "--requests REQUESTS requests in the trace (default: 2000)" in out
+
+
+def test_bench_json_and_plots_at_the_smallest_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    args = ["bench", "attention", "--batch", "2", "--context", "32", "--repeats", "1",
+            "--json", str(tmp_path / "a.json"), "--plots", str(tmp_path / "plots")]  # fmt: skip
+    assert main(args) == 0
+    assert json.loads((tmp_path / "a.json").read_text())["rows"][0]["device"] == "cpu"
+    png = tmp_path / "plots" / "attention_ms.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in capsys.readouterr().out
+
+
+def test_progress_writes_nothing_into_a_pipe(capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedkv.bench.report import Progress
+
+    with Progress("requests") as progress:  # stderr is captured here: not a terminal
+        for done in range(1, 4):
+            progress(done, 3, "note")
+    assert capsys.readouterr().err == ""

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedkv.bench.manager_bench import print_progress
+from pagedkv.bench.report import Progress
 
 __all__ = ["run_demo", "DemoWorkload", "build_demo_model", "build_llama"]
 
@@ -93,7 +93,8 @@ def run_engine(
     prompts = workload.prompts(vocab=model.config.vocab_size)
     requests = [engine.add_request(p, workload.max_new_tokens) for p in prompts]
     start = time.perf_counter()
-    engine.run(progress=print_progress if progress else None)
+    with Progress("requests") as bar:
+        engine.run(progress=bar if progress else None)
     wall = time.perf_counter() - start
     ttfts = [r.ttft for r in requests if r.ttft is not None]
     return {

@@ -13,7 +13,7 @@ import gc
 import time
 
 from pagedkv.bench.driver import replay
-from pagedkv.bench.manager_bench import print_progress
+from pagedkv.bench.report import Progress
 from pagedkv.bench.workloads import shared_prefix_trace
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
@@ -39,7 +39,8 @@ def run_manager_demo(num_requests: int = 240, seed: int = 0) -> int:
     build_ms = 1e3 * (time.perf_counter() - t0)
     model = PrefixStampModel(manager)
     gc.collect()
-    stats = replay(manager, trace, max_batch_size=batch, model=model.forward, progress=print_progress)
+    with Progress("requests") as progress:
+        stats = replay(manager, trace, max_batch_size=batch, model=model.forward, progress=progress)
     metrics = manager.get_metrics_aggregated()
     manager.check_integrity()
     leaked = manager.get_num_used_pages()

@@ -12,19 +12,19 @@ import pytest
 from pagedkv.bench.compare.pagedkv_adapter import BeladyAdapter, PagedKVAdapter, compare_params
 from pagedkv.bench.compare.report import format_markdown, policy_verdict, write_plots
 from pagedkv.bench.compare.run import POLICIES, capacities, run_compare
-from pagedkv.bench.compare.sim import SimConfig, SimRequest, simulate
-from pagedkv.bench.compare.traces import WORKLOADS, ideal_hit_rates, make_trace, unique_pages
-from pagedkv.cli import POLICY_NAMES, main
+from pagedkv.bench.compare.sim import SimConfig, simulate
+from pagedkv.bench.workloads import WORKLOADS, TraceRequest, ideal_hit_rates, make_trace, unique_pages
+from pagedkv.cli import main, parser
 
 PS = 16
 
 
-def req(rid: int, prompt: np.ndarray, n_out: int, after: int | None = None, seed: int = 0) -> SimRequest:
+def req(rid: int, prompt: np.ndarray, n_out: int, after: int | None = None, seed: int = 0) -> TraceRequest:
     out = np.random.default_rng([seed, rid]).integers(0, 32000, n_out, dtype=np.int32)
-    return SimRequest(rid, np.concatenate([prompt, out]).astype(np.int32), len(prompt), after)
+    return TraceRequest(rid, np.concatenate([prompt, out]).astype(np.int32), len(prompt), after)
 
 
-def shared_trace(n_out: int = 8) -> list[SimRequest]:
+def shared_trace(n_out: int = 8) -> list[TraceRequest]:
     """4 system prompts of 64 tokens x 10 requests, each + 20 unique tokens, `n_out` generated."""
     rng = np.random.default_rng(7)
     systems = [rng.integers(0, 32000, 64, dtype=np.int32) for _ in range(4)]
@@ -138,4 +138,5 @@ def test_cli_compare_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_cli_default_policies_are_the_benchmarks() -> None:
-    assert POLICY_NAMES == tuple(POLICIES)
+    args = parser().parse_args(["bench", "compare"])
+    assert tuple(args.policies.split(",")) == tuple(POLICIES)

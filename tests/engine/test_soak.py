@@ -1,4 +1,4 @@
-"""Issue 7's soak, short: 1200 requests through a tiered (host + disk) and a redis (host + a real
+"""The soak, short: 1200 requests through a tiered (host + disk) and a redis (host + a real
 redis-server) engine over one tiny Llama, every token checked against transformers, memory, fds,
 threads and pages sampled after each drain (`pagedkv.bench.soak`; the full run is
 `pagedkv bench soak`, 20000 requests).
@@ -7,7 +7,6 @@ Without `redis-server` on PATH the test skips, unless PAGEDKV_REQUIRE_REDIS=1 (C
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -63,10 +62,9 @@ def test_soak_serves_exact_tokens_and_leaks_nothing(result: dict[str, Any]) -> N
 
 def test_soak_cli_handler_writes_json_and_exit_status(result: dict[str, Any], tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:  # fmt: skip
-    kinds = argparse.ArgumentParser().add_subparsers(dest="bench")
-    soak.add_soak_parser(kinds)
-    parser = kinds.choices["soak"]
-    args = parser.parse_args(["--requests", "7", "--json", str(tmp_path / "out" / "soak.json")])
+    from pagedkv.cli import parser
+
+    args = parser().parse_args(["bench", "soak", "--requests", "7", "--json", str(tmp_path / "out" / "soak.json")])
     assert (args.requests, args.wave, args.rss_bound_mib, args.redis_url) == (7, 128, 4.0, None)
     seen: dict[str, Any] = {}
 
@@ -75,9 +73,9 @@ def test_soak_cli_handler_writes_json_and_exit_status(result: dict[str, Any], tm
         return result
 
     monkeypatch.setattr(soak, "run_soak", fake_run)
-    assert soak.soak_command(args) == 0
+    assert soak.command(args) == 0
     assert seen["requests"] == 7 and seen["progress"] is not None
     assert "| wrong tokens == 0 | pass |" in capsys.readouterr().out
     assert json.loads((tmp_path / "out" / "soak.json").read_text())["requests"] == REQUESTS
     monkeypatch.setattr(soak, "run_soak", lambda *a, **k: {**result, "passed": False})
-    assert soak.soak_command(args) == 1
+    assert soak.command(args) == 1

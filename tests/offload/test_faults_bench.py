@@ -1,11 +1,10 @@
-"""`pagedkv bench faults` at a small size (issue 7): under every real fault (Redis killed, disk full, corrupt
+"""`pagedkv bench faults` at a small size: under every real fault (Redis killed, disk full, corrupt
 and truncated pages, slow Redis) every request completes with the recompute-only reference's tokens, no
 page is lost, and the fault really happened. The Redis cases skip without `redis-server` (they fail
 instead under PAGEDKV_REQUIRE_REDIS=1, as in CI)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 import torch
 from redis_server import redis_server_binary
 
-from pagedkv.bench.faults import add_faults_parser, format_faults_report, run_faults, run_faults_command
+from pagedkv.bench.faults import command, format_faults_report, run_faults
 from pagedkv.bench.faults_cases import CORRUPT, TRUNCATE
 
 REQUESTS = 8  # per round: two waves of 4 (the engines' batch), so a fault can land between them
@@ -83,11 +82,12 @@ def test_redis_faults() -> None:
 
 
 def test_command_line(tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser()
-    add_faults_parser(parser.add_subparsers(dest="bench"))
-    args = parser.parse_args(["faults", "--requests", "2", "--cases", "none-disk", "--json", str(tmp_path / "f.json")])
+    from pagedkv.cli import parser
+
+    argv = ["bench", "faults", "--requests", "2", "--cases", "none-disk", "--json", str(tmp_path / "f.json")]
+    args = parser().parse_args(argv)
     torch.set_num_threads(2)
-    assert run_faults_command(args) == 0
+    assert command(args) == 0
     assert torch.get_num_threads() == 2  # set back after its run on one thread
     result = json.loads((tmp_path / "f.json").read_text())
     assert result["cases"]["none-disk"]["ok"] and result["cases"]["none-disk"]["submitted"] == 4

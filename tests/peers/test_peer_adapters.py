@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 
 from pagedkv.bench.compare.peers import PeerUnavailable, load_peer
-from pagedkv.bench.compare.sim import SimConfig, SimRequest, simulate
+from pagedkv.bench.compare.sim import SimConfig, simulate
+from pagedkv.bench.workloads import TraceRequest
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Only CUDA:UserWarning", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
@@ -49,26 +50,26 @@ def _tokens(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.integers(0, 32_000, size=n, dtype=np.int32)
 
 
-def _shared_prefix_trace(suffix: int = 20, output: int = 8, n: int = 40) -> list[SimRequest]:
+def _shared_prefix_trace(suffix: int = 20, output: int = 8, n: int = 40) -> list[TraceRequest]:
     rng = np.random.default_rng(0)
     prefixes = [_tokens(rng, 64) for _ in range(4)]
     reqs = []
     for i in range(n):
         prompt = np.concatenate([prefixes[i % 4], _tokens(rng, suffix)])
-        reqs.append(SimRequest(i, np.concatenate([prompt, _tokens(rng, output)]), len(prompt)))
+        reqs.append(TraceRequest(i, np.concatenate([prompt, _tokens(rng, output)]), len(prompt)))
     return reqs
 
 
-def _conversation() -> list[SimRequest]:
+def _conversation() -> list[TraceRequest]:
     rng = np.random.default_rng(1)
-    first = SimRequest(0, _tokens(rng, 84 + 20), 84)
+    first = TraceRequest(0, _tokens(rng, 84 + 20), 84)
     prompt2 = np.concatenate([first.tokens, _tokens(rng, 10)])
-    second = SimRequest(1, np.concatenate([prompt2, _tokens(rng, 8)]), len(prompt2), after=0)
-    third = SimRequest(2, np.concatenate([first.tokens[:96], _tokens(rng, 4)]), 96, after=1)
+    second = TraceRequest(1, np.concatenate([prompt2, _tokens(rng, 8)]), len(prompt2), after=0)
+    third = TraceRequest(2, np.concatenate([first.tokens[:96], _tokens(rng, 4)]), 96, after=1)
     return [first, second, third]
 
 
-def _run_one(adapter: Any, req: SimRequest, budget: int = 8192) -> tuple[int, int] | None:
+def _run_one(adapter: Any, req: TraceRequest, budget: int = 8192) -> tuple[int, int] | None:
     """Admit `req` and run its first chunk through the forward pass, as the driver does."""
     got = adapter.admit(req, budget)
     if got is not None:
@@ -123,13 +124,13 @@ def test_few_pages_preempt_and_complete(name: str) -> None:
 def test_refused_admission_changes_nothing(name: str) -> None:
     rng = np.random.default_rng(2)
     adapter = _peer(name, num_pages=4)
-    a = SimRequest(0, _tokens(rng, 41), 40)  # 40-token prompt, 1 generated: 3 pages
+    a = TraceRequest(0, _tokens(rng, 41), 40)  # 40-token prompt, 1 generated: 3 pages
     assert _run_one(adapter, a) == (0, 40)
     assert adapter.used_pages() == 3
     adapter.free(a, preempted=False)  # 2 full pages stay cached (evictable), 2 pages free
     assert adapter.used_pages() == 0
 
-    big = SimRequest(1, np.concatenate([a.tokens[:32], _tokens(rng, 61)]), 92)  # hits 32, needs 4 more pages
+    big = TraceRequest(1, np.concatenate([a.tokens[:32], _tokens(rng, 61)]), 92)  # hits 32, needs 4 more pages
     assert adapter.admit(big, 8192) is None
     assert adapter.used_pages() == 0
     if name == "vllm":
@@ -137,7 +138,7 @@ def test_refused_admission_changes_nothing(name: str) -> None:
     else:
         assert (adapter.allocator.available_size(), adapter.tree.evictable_size()) == (2 * PAGE, 2 * PAGE)
 
-    small = SimRequest(2, np.concatenate([a.tokens[:32], _tokens(rng, 11)]), 42)  # hits 32, needs 1 page
+    small = TraceRequest(2, np.concatenate([a.tokens[:32], _tokens(rng, 11)]), 42)  # hits 32, needs 1 page
     assert _run_one(adapter, small) == (32, 10)
     assert adapter.used_pages() == 3
 

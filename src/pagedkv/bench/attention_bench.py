@@ -7,7 +7,7 @@ every request's pages are scattered over the pool; the step's `PagedMetadata`
 is built once outside the timed call, as an engine does once per step for all
 layers. The contiguous side runs
 ``torch.nn.functional.scaled_dot_product_attention`` over the same K/V held as
-``[B, H_kv, S, D]`` with ``enable_gqa=True`` (the issue's baseline), and also
+``[B, H_kv, S, D]`` with ``enable_gqa=True`` (the baseline of the target), and also
 with the GQA group folded into the query axis (``[B, H_kv, group, D]``), the
 fastest contiguous form on CPU. The calls are interleaved and each figure is
 the best of `repeats`, so a noisy machine slows all of them alike.
@@ -18,8 +18,8 @@ kernel in `pagedkv.ops.triton_decode`) run only when ``torch.cuda.is_available()
 
 from __future__ import annotations
 
+import argparse
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,10 +27,20 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from pagedkv import ops
+from pagedkv.bench import report
+from pagedkv.bench.timing import best_of
 from pagedkv.ops.metadata import PagedMetadata
 from pagedkv.runtime.inputs import RaggedKVCacheInputs, max_lengths_table
 
-__all__ = ["run_attention_bench", "format_attention_report", "gpu_rows", "TARGET_RATIO"]
+__all__ = [
+    "TARGET_RATIO",
+    "add_arguments",
+    "command",
+    "format_attention_report",
+    "gpu_rows",
+    "plots",
+    "run_attention_bench",
+]
 
 TARGET_RATIO = 1.3  # paged / contiguous SDPA (enable_gqa=True), CPU decode
 
@@ -61,21 +71,6 @@ def _decode_case(
     return {"inputs": inputs, "offsets": offsets, "meta": meta, "query": query, "k": k, "v": v}
 
 
-def _best_of(calls: dict[str, Callable[[], Any]], repeats: int, sync: Callable[[], None]) -> dict[str, float]:
-    """Milliseconds per call, the minimum over `repeats` rounds that run every call once in turn."""
-    best = {name: math.inf for name in calls}
-    for call in calls.values():  # warm-up
-        call()
-    for _ in range(repeats):
-        for name, call in calls.items():
-            sync()
-            start = time.perf_counter()
-            call()
-            sync()
-            best[name] = min(best[name], 1e3 * (time.perf_counter() - start))
-    return best
-
-
 def _measure(case: dict[str, Any], backend: str, repeats: int, sync: Callable[[], None]) -> dict[str, float]:
     query, k, v = case["query"], case["k"], case["v"]  # [B, H_q, D], [B, H_kv, S, D] x 2
     batch, n_q_heads, head_dim = query.shape
@@ -93,7 +88,7 @@ def _measure(case: dict[str, Any], backend: str, repeats: int, sync: Callable[[]
     }
     want = calls["sdpa_grouped"]().reshape(batch, n_q_heads, head_dim).float()
     error = (paged().float() - want).abs().max().item()
-    best = _best_of(calls, repeats, sync)
+    best = best_of(calls, repeats, sync)
     return {
         "paged_ms": best["paged"], "contiguous_ms": best["sdpa"], "contiguous_grouped_ms": best["sdpa_grouped"],
         "ratio": best["paged"] / best["sdpa"], "ratio_grouped": best["paged"] / best["sdpa_grouped"],
@@ -188,3 +183,26 @@ def format_attention_report(result: dict[str, Any]) -> str:
     if not any(r["device"] == "cuda" for r in result["rows"]) or result["gpu_note"]:
         lines.append(f"\nGPU: {result['gpu_note']}")
     return "\n".join(lines)
+
+
+def plots(result: dict[str, Any]) -> list[report.Plot]:
+    """Milliseconds of the paged call and both contiguous SDPA forms, per device, dtype and backend."""
+    rows = result["rows"]
+    return [report.Plot("attention_ms", "decode attention, one step", "ms per call",
+                        [f"{r['device']} {r['dtype']} {r['backend']}" for r in rows],
+                        {"paged": [r["paged_ms"] for r in rows], "SDPA enable_gqa": [r["contiguous_ms"] for r in rows],
+                         "SDPA grouped-q": [r["contiguous_grouped_ms"] for r in rows]})]  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `pagedkv bench attention`."""
+    p.add_argument("--batch", type=int, default=32, help="requests in the decode step")
+    p.add_argument("--context", type=int, default=2048, help="tokens each request attends")
+    p.add_argument("--repeats", type=int, default=10, help="interleaved rounds; each figure is the best of them")
+
+
+def command(args: argparse.Namespace) -> int:
+    """`pagedkv bench attention`: time, print the table, write --json / --plots."""
+    result = run_attention_bench(batch=args.batch, context=args.context, repeats=args.repeats)
+    report.finish(args, format_attention_report(result), result, plots)
+    return 0

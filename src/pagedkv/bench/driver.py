@@ -80,7 +80,7 @@ def replay(
     """
     stats = ReplayStats()
     stats.token_budget = max_num_batched_tokens
-    waiting: deque[tuple[TraceRequest, TextContext]] = deque((r, TextContext(r.request_id, r.prompt)) for r in trace)
+    waiting: deque[tuple[TraceRequest, TextContext]] = deque((r, TextContext(r.rid, r.prompt)) for r in trace)
     running: list[tuple[TraceRequest, TextContext]] = []
     done = 0
     start = time.perf_counter()

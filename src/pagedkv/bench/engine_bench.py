@@ -7,11 +7,13 @@ prefill tokens the cache skipped and the time-to-first-token ratio.
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
+from pagedkv.bench import report
 from pagedkv.demo import DemoWorkload, run_engine
 
-__all__ = ["run_engine_bench", "format_engine_report"]
+__all__ = ["add_arguments", "command", "format_engine_report", "plots", "run_engine_bench"]
 
 
 def run_engine_bench(num_requests: int = 48, repeats: int = 3, seed: int = 0) -> dict[str, Any]:
@@ -54,3 +56,33 @@ def format_engine_report(r: dict[str, Any]) -> str:
             f"outputs identical both ways: {r['same_outputs']}",
         ]
     )
+
+
+def plots(r: dict[str, Any]) -> list[report.Plot]:
+    """Time to first token and prefill tokens computed, prefix caching on and off."""
+    ways = ["on", "off"]
+    return [
+        report.Plot("engine_ttft_ms", "time to first token", "ms", ways,
+                    {"mean": [1e3 * r[f"ttft_mean_{w}"] for w in ways], "median": [1e3 * r[f"ttft_p50_{w}"] for w in ways]},
+                    xlabel="prefix caching"),
+        report.Plot("engine_prefill_tokens", "prefill tokens computed", "tokens", ways,
+                    {"computed": [r[f"prefill_tokens_computed_{w}"] for w in ways],
+                     "prompt tokens": [r[f"prompt_tokens_{w}"] for w in ways]}, xlabel="prefix caching"),
+    ]  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `pagedkv bench engine`."""
+    p.add_argument("--requests", type=int, default=48, help="requests of the demo workload")
+    p.add_argument("--repeats", type=int, default=3, help="runs each way, interleaved; the best is kept")
+    p.add_argument("--seed", type=int, default=0, help="seed of the demo workload")
+
+
+def command(args: argparse.Namespace) -> int:
+    """`pagedkv bench engine`: serve both ways, print the table, write --json / --plots."""
+    import torch
+
+    torch.set_num_threads(1)  # the demo model is tiny: one thread is faster and steadier
+    result = run_engine_bench(num_requests=args.requests, repeats=args.repeats, seed=args.seed)
+    report.finish(args, format_engine_report(result), result, plots)
+    return 0

@@ -1,4 +1,4 @@
-"""`pagedkv bench faults`: real faults under the disk and Redis tiers while `LLMEngine`s serve (issue 7).
+"""`pagedkv bench faults`: real faults under the disk and Redis tiers while `LLMEngine`s serve.
 
 Each case, on a tiny seeded Llama, greedy, in rounds: fill (an engine serves prompts in groups sharing a
 prefix; its pages go down to the tier), the fault for real (redis-server SIGKILLed mid-run, the disk full
@@ -17,20 +17,30 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pagedkv.bench import faults_cases as fc
+from pagedkv.bench import report
+from pagedkv.bench.faults_inject import DAMAGING, run_case
+
 if TYPE_CHECKING:
-    from pagedkv.bench.faults_cases import Recorder
     from pagedkv.bench.tiers_redis import RedisServer
 
-__all__ = ["CASES", "DEFINITIONS", "add_faults_parser", "format_faults_report", "run_faults", "run_faults_command"]
+__all__ = [
+    "CASES",
+    "DEFINITIONS",
+    "add_arguments",
+    "command",
+    "format_faults_report",
+    "plots",
+    "run_faults",
+    "summarize",
+]
 
 CASES = {
     "none-disk": "no fault (tiered: host + disk)",
@@ -44,7 +54,6 @@ CASES = {
 }
 REDIS_CASES = {"none-redis", "redis-killed", "corrupt-redis", "slow-redis"}
 OWN_SERVER = {"redis-killed", "slow-redis"}  # they kill / pause the server: never a --redis-url one
-DAMAGING = {"corrupt-disk", "corrupt-redis", "truncated-disk"}
 DEFINITIONS = {
     "pages_lost": "leaked_device_pages + unaccounted_pages + missing_in_tier + damaged_not_refused",
     "leaked_device_pages": "device pages in use once every request of a round finished (check_integrity() must pass)",
@@ -53,83 +62,7 @@ DEFINITIONS = {
     "missing_in_tier": "full pages of the served sequences not stored intact (full size) after the last round",
     "damaged_not_refused": "damaged pages - pages the tier refused (each must be refused, deleted, recomputed)",
 }
-PAUSE_S, GAP_S, STEP_S = 0.6, 0.15, 0.03  # slow-redis: pause, gap, a real model's step time (ours: ~5 ms)
 Progress = Callable[[int, int, str], None]
-
-
-def _restart(server: RedisServer) -> None:
-    """Start it again on its port, empty, and wait (up to 10 s) until it answers."""
-    import redis
-    from redis.backoff import ConstantBackoff
-    from redis.retry import Retry
-
-    server.proc.wait()  # (SIGKILLed)
-    server.proc = subprocess.Popen(server.proc.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    retry = Retry(ConstantBackoff(0.02), 500, supported_errors=(redis.ConnectionError,))
-    redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=1, retry=retry).ping()
-
-
-@contextmanager
-def _slow(url: str) -> Iterator[list[float]]:
-    """Redis slow for real: ``CLIENT PAUSE <PAUSE_S> ALL`` from a second connection, again every
-    PAUSE_S + GAP_S; yields the pauses' end times. On exit, waits until the last pause is over."""
-    import redis
-
-    client, stop, pauses = redis.Redis.from_url(url, socket_timeout=10), threading.Event(), []
-
-    def pause() -> None:
-        client.execute_command("CLIENT", "PAUSE", int(PAUSE_S * 1000), "ALL")
-        pauses.append(time.monotonic() + PAUSE_S)
-
-    def loop() -> None:
-        while not stop.wait(PAUSE_S + GAP_S):
-            pause()
-
-    pause()  # the engine's first call surely waits past its timeout
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    try:
-        yield pauses
-    finally:
-        stop.set()
-        thread.join()
-        time.sleep(max(0.0, pauses[-1] - time.monotonic()) + 0.05)
-        client.close()
-
-
-def run_case(name: str, rec: Recorder, server: RedisServer | None = None, fsize_limit: int = 0) -> dict[str, Any]:
-    """Fill, fault, serve, recover, audit: the raw figures of case `name` (`summarize` sums them)."""
-    from pagedkv.bench import faults_cases as fc
-
-    extra: dict[str, Any] = {}
-    if name == "disk-full":
-        fc.fill_up_disk(rec, fsize_limit)
-    else:
-        rec.serve("fill")
-        if name in DAMAGING:
-            rec.damage(fc.TRUNCATE if name == "truncated-disk" else fc.CORRUPT)
-        if name == "redis-killed":
-            assert server is not None
-            engine = rec.engine()
-            # SIGKILL while the engine serves: its first batch is in flight, the rest still waits
-            rec.round("serve: SIGKILL after step 1", engine, faulty=True, after_step=lambda steps, _: server.proc.kill() if steps == 1 else None)  # fmt: skip
-            _restart(server)
-            time.sleep(fc.RETRY_S + 0.05)  # the engine tries Redis again after redis_retry_s
-            engine.manager.reset_prefix_cache()  # the device forgets: the same engine must use Redis again
-            rec.round("serve: same engine, server restarted", engine)
-            engine.manager.close()
-        elif name == "slow-redis":
-            engine = rec.engine()
-            with _slow(rec.config["redis_url"]) as pauses:  # from the engine's first call on
-                rec.round("serve: server paused", engine, faulty=True, after_step=lambda *_: time.sleep(STEP_S))
-            engine.manager.close()
-            extra["pauses"] = len(pauses)
-        else:
-            rec.serve("serve", faulty=True)
-    if not name.startswith("none"):
-        rec.serve("recover: fresh engine")
-    rec.audit()
-    return {**rec.result(), **extra}
 
 
 def _observed(name: str, c: dict[str, Any]) -> bool:
@@ -187,7 +120,6 @@ def run_faults(
     redis-server this bench starts). Cases that cannot run are listed under "skipped" with the reason."""
     import torch
 
-    from pagedkv.bench import faults_cases as fc
     from pagedkv.bench.tiers_redis import start_redis
     from pagedkv.offload.format import HEADER_SIZE
 
@@ -218,7 +150,7 @@ def run_faults(
                 if name == "disk-full":  # lowers RLIMIT_FSIZE: in a child process; no page file (header + 4 KiB) fits
                     spec = {"dir": str(directory), "workload": asdict(workload), "reference": reference,
                             "fsize_limit": HEADER_SIZE, "threads": torch.get_num_threads()}  # fmt: skip
-                    proc = subprocess.run([sys.executable, "-m", "pagedkv.bench.faults_cases"], input=json.dumps(spec),
+                    proc = subprocess.run([sys.executable, "-m", "pagedkv.bench.faults_child"], input=json.dumps(spec),
                                           capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
                     if proc.returncode != 0:
                         raise RuntimeError(f"the disk-full case's process failed:\n{proc.stderr[-4000:]}")
@@ -244,19 +176,18 @@ def run_faults(
 def format_faults_report(result: dict[str, Any]) -> str:
     """A markdown table of the fault figures, then what "pages lost" counts."""
     w = result["workload"]
+    header = ("case", "fault", "submitted", "completed", "wrong tokens", "pages lost", "refused", "errors",
+              "skipped writes", "tier hits (pages)", "fault round s", "case s")  # fmt: skip
+    rows = [(name, c["fault"], c["submitted"], c["completed"], c["wrong_tokens"], c["pages_lost"], c["refused"],
+             c["errors"], c["skipped_writes"], c["tier_pages_loaded"], f"{c['fault_round_wall_s']:.2f}",
+             f"{c['wall_s']:.2f}") for name, c in result["cases"].items()]  # fmt: skip
     lines = [
         f"Faults under the tiers: rounds of {w['requests']} requests ({w['groups']} groups sharing a {w['prefix_len']}"
         f"-token prefix, {w['new_tokens']} greedy tokens each; tiny Llama, pages of {result['page_size']}): fill, "
         "serve under the fault, recover; every token compared with a recompute-only engine",
         "",
-        "| case | fault | submitted | completed | wrong tokens | pages lost | refused | errors | skipped writes "
-        "| tier hits (pages) | fault round s | case s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *report.table(header, rows),
     ]  # fmt: skip
-    for name, c in result["cases"].items():
-        lines.append(f"| {name} | {c['fault']} | {c['submitted']} | {c['completed']} | {c['wrong_tokens']} "
-                     f"| {c['pages_lost']} | {c['refused']} | {c['errors']} | {c['skipped_writes']} "
-                     f"| {c['tier_pages_loaded']} | {c['fault_round_wall_s']:.2f} | {c['wall_s']:.2f} |")  # fmt: skip
     lines += [f"| {name} | skipped: {why} |" for name, why in result["skipped"].items()]
     lines += ["", f"pages lost = {DEFINITIONS['pages_lost']}:"]
     lines += [f"- {k}: {v}" for k, v in DEFINITIONS.items() if k != "pages_lost"]
@@ -265,36 +196,34 @@ def format_faults_report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_faults_parser(kinds: Any) -> argparse.ArgumentParser:
-    """Add ``faults`` to the `pagedkv bench` subparsers (`run_faults_command` handles it)."""
-    p: argparse.ArgumentParser = kinds.add_parser(
-        "faults", help="Redis killed, disk full, corrupt / truncated pages, slow Redis while engines serve"
-    )
+def plots(result: dict[str, Any]) -> list[report.Plot]:
+    """Per case: requests submitted and completed, wrong tokens, pages lost, pages the tier refused."""
+    cases = result["cases"]
+    keys = {"submitted": "submitted", "completed": "completed", "wrong tokens": "wrong_tokens",
+            "pages lost": "pages_lost", "refused": "refused"}  # fmt: skip
+    return [report.Plot("faults_cases", "requests and pages under each fault", "count", list(cases),
+                        {label: [c[key] for c in cases.values()] for label, key in keys.items()})]  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `pagedkv bench faults`."""
     p.add_argument("--requests", type=int, default=32, help="requests per round (3 rounds in most cases)")
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated cases")
     p.add_argument("--redis-url", help="server for none-redis / corrupt-redis (default: start redis-server)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, help="also write the figures to this JSON file")
-    return p
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the prompts")
 
 
-def run_faults_command(args: argparse.Namespace) -> int:
-    """`pagedkv bench faults`: run, print the table, write --json; 0 when every case is ok."""
+def command(args: argparse.Namespace) -> int:
+    """`pagedkv bench faults`: run, print the table, write --json / --plots; 0 when every case is ok."""
     import torch
-
-    def progress(done: int, total: int, line: str) -> None:
-        sys.stderr.write(f"\r\x1b[K[{done}/{total}] {line}" + ("\n" if done == total else ""))
-        sys.stderr.flush()
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the model is tiny: one thread is faster and steadier
     try:
         cases = [c for c in args.cases.split(",") if c]
-        result = run_faults(args.requests, args.redis_url, progress, cases=cases, seed=args.seed)
+        with report.Progress("cases") as progress:
+            result = run_faults(args.requests, args.redis_url, progress, cases=cases, seed=args.seed)
     finally:
         torch.set_num_threads(threads)
-    print(format_faults_report(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+    report.finish(args, format_faults_report(result), result, plots)
     return 0 if all(c["ok"] for c in result["cases"].values()) else 1

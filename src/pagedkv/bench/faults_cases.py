@@ -1,16 +1,12 @@
-"""The mechanics of `pagedkv bench faults` (`faults.py`): workload, engines, a measured serving round, the
-tier's stored pages (damage, audit), the disk-full case's child process (``python -m pagedkv.bench.faults_cases``).
+"""The mechanics of one `pagedkv bench faults` case (`faults.py` runs the set, `faults_inject` the faults):
+workload, engines, a measured serving round, the tier's stored pages (damage, audit).
 Page keys are the engine's own, from its KV events (parent key + page tokens -> key): no hashing is redone."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import resource
-import signal
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +22,7 @@ from pagedkv.engine import LLMEngine
 from pagedkv.engine.request import Request
 from pagedkv.offload.format import HEADER_SIZE, key_bytes
 
-__all__ = ["CORRUPT", "DAMAGES", "TRUNCATE", "Recorder", "Workload", "build_model", "fill_up_disk", "make_engine"]
+__all__ = ["CORRUPT", "DAMAGES", "TRUNCATE", "Recorder", "Workload", "build_model", "make_engine"]
 
 PAGE_SIZE = 8
 MODEL: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -265,35 +261,3 @@ class Recorder:
         return {"connector": self.connector, "rounds": self.rounds, "damaged": self.damaged, "audit": self.audit_result,
                 "page_bytes": self.page_bytes, "deleted": self.keys.deleted, "wall_s": time.perf_counter() - self.started,
                 "warnings": [r.getMessage() for r in self.log.buffer]}  # fmt: skip
-
-
-def fill_up_disk(rec: Recorder, limit: int) -> None:
-    """The disk-full rounds (in a child process: they lower its RLIMIT_FSIZE). fill: the disk fills up (no
-    page file fits under `limit`: EFBIG) once half the requests finished; serve: a fresh engine reads what
-    was written, its own writes fail; then the space is back."""
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing us
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    fill, full = rec.engine(), [False]
-
-    def fill_up(steps: int, finished: int) -> None:
-        if finished >= rec.workload.requests // 2 and not full[0]:
-            fill.manager.sync_tiers()  # what was committed so far is on disk
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-            full[0] = True
-
-    rec.round("fill: the disk fills up half-way", fill, faulty=True, after_step=fill_up)
-    fill.manager.close()
-    rec.serve("serve: disk full", faulty=True)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-
-
-if __name__ == "__main__":  # the disk-full case (`faults.run_case`) in this child process; JSON result last
-    import torch
-
-    from pagedkv.bench.faults import run_case
-
-    spec = json.loads(sys.stdin.read())
-    torch.set_num_threads(spec["threads"])
-    workload = Workload(**{**spec["workload"], "question": tuple(spec["workload"]["question"])})
-    rec = Recorder(build_model(workload.seed), workload, spec["reference"], "tiered", {"disk_offload_dir": spec["dir"]})
-    print(json.dumps(run_case("disk-full", rec, fsize_limit=spec["fsize_limit"])))

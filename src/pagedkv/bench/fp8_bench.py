@@ -9,15 +9,25 @@ same prefix and errors cannot snowball through a different token.
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import torch
 
+from pagedkv.bench import report
 from pagedkv.demo import DemoWorkload, build_demo_model
 from pagedkv.dtype import DType
 from pagedkv.params import KVCacheQuantizationConfig
 
-__all__ = ["SETTINGS", "run_fp8_bench", "format_fp8_report", "teacher_forced_logits"]
+__all__ = [
+    "SETTINGS",
+    "add_arguments",
+    "command",
+    "format_fp8_report",
+    "plots",
+    "run_fp8_bench",
+    "teacher_forced_logits",
+]
 
 # name -> (model dtype, cache dtype, FP8 scale granularity)
 SETTINGS: dict[str, tuple[torch.dtype, DType, int | None]] = {
@@ -94,3 +104,26 @@ def format_fp8_report(r: dict[str, Any]) -> str:
             f"{s['max_vs_bf16']:.2e} / {s['mean_vs_bf16']:.2e} | {s['argmax_agree_vs_bf16']:.3f} |"
         )
     return "\n".join(lines)
+
+
+def plots(r: dict[str, Any]) -> list[report.Plot]:
+    """Mean and max |logit error| of every setting against fp32 (log scale would hide the zero row)."""
+    names = list(r["settings"])
+    return [report.Plot("fp8_logit_error", "logit error against an fp32 model and cache", "|logit error|", names,
+                        {"max vs fp32": [r["settings"][n]["max_vs_fp32"] for n in names],
+                         "mean vs fp32": [r["settings"][n]["mean_vs_fp32"] for n in names],
+                         "max vs bf16": [r["settings"][n]["max_vs_bf16"] for n in names]})]  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `pagedkv bench fp8`."""
+    p.add_argument("--requests", type=int, default=16, help="prompts of the demo workload")
+    p.add_argument("--steps", type=int, default=16, help="teacher-forced tokens after each prompt")
+
+
+def command(args: argparse.Namespace) -> int:
+    """`pagedkv bench fp8`: compare, print the table, write --json / --plots."""
+    torch.set_num_threads(1)  # the demo model is tiny: one thread is faster and steadier
+    result = run_fp8_bench(num_requests=args.requests, new_tokens=args.steps)
+    report.finish(args, format_fp8_report(result), result, plots)
+    return 0

@@ -1,29 +1,34 @@
 """`pagedkv bench hybrid`: memory, prefix hits and bookkeeping of mixed-attention models.
 
+The scenario letters name the four setups vLLM 0.33's hybrid KV cache manager was measured in, on
+the same kind of machine and the same traces: A all-full decode, B all-full hit rate, D hybrid
+decode, E hybrid hit rate (vLLM's "Hybrid KV Cache Manager" design document describes the groups).
+
 1. KV bytes one request holds at 8k and 32k context, for a Gemma3-like model
    (48 layers, 5 local : 1 global, window 1024, 8 KV heads x 256, bf16) and a
    gpt-oss-like model (24 layers alternating window 128 / full, 8 x 64, bf16):
    pagedkv vs every layer full, vs the theoretical minimum (full layers keep
    every token, window layers their last W).
-2. Prefix hit rate at fixed memory on the trace of vLLM's scenario E
-   (`shared/reference/lab_peers.md`): 2000 requests, 64 system prompts of 1024
-   tokens chosen zipf(1), 256-token suffixes, 128 outputs; 32 layers of which
-   24 sliding (W=1024) in 3 groups + 8 full, 8 KV heads x 128 bf16, page 16,
+2. Prefix hit rate at fixed memory, scenario E: 2000 requests, 64 system prompts
+   of 1024 tokens chosen zipf(1), 256-token suffixes, 128 outputs; 32 layers of
+   which 24 sliding (W=1024) in 3 groups + 8 full, 8 KV heads x 128 bf16, page 16,
    8 GiB (16384 page ids of 8 layers); 256 sequences and 8192 prompt tokens a
    step. The same trace all-full at 8 GiB is scenario B.
 3. Decode bookkeeping per request per step with those 4 groups (and with one
-   full group), at 40 GiB where nothing is evicted, as vLLM's scenario D / A.
+   full group), at 40 GiB where nothing is evicted: scenarios D and A.
 Buffers live on torch's meta device: only bookkeeping runs.
 """
 
 from __future__ import annotations
 
-import gc
+import argparse
 import time
 from typing import Any
 
+from pagedkv.bench import report
 from pagedkv.bench.driver import replay
-from pagedkv.bench.workloads import ideal_hit_rate, shared_prefix_trace
+from pagedkv.bench.timing import gc_frozen
+from pagedkv.bench.workloads import ideal_hit_rates, shared_prefix_trace
 from pagedkv.core.context import TextContext
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, group_layer_specs
@@ -33,7 +38,7 @@ from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams
 
-__all__ = ["run_hybrid_bench", "format_hybrid_report", "MODELS"]
+__all__ = ["MODELS", "add_arguments", "command", "format_hybrid_report", "plots", "run_hybrid_bench"]
 
 GiB = 1024**3
 META = [DeviceRef.META()]
@@ -111,7 +116,7 @@ def hit_rate_figures(num_requests: int = 2000, seed: int = 0) -> list[dict[str, 
     """Scenario E (3 sliding groups + 1 full, 8 GiB) and B (all full, 8 GiB) on the zipf trace,
     under each eviction setting of `HIT_SCENARIOS`, with decode bookkeeping per request-step."""
     trace = shared_prefix_trace(num_requests, 64, 1024, 256, 128, seed=seed, zipf=1.0)
-    ideal = ideal_hit_rate(trace, 16)
+    ideal = ideal_hit_rates(trace, 16)[0]  # page-granular
     rows = []
     for name, windowed, policy, fraction, vllm in HIT_SCENARIOS:
         windows: list[int | None] = [1024] * 24 + [None] * 8 if windowed else [None] * 32
@@ -121,10 +126,8 @@ def hit_rate_figures(num_requests: int = 2000, seed: int = 0) -> list[dict[str, 
         )  # fmt: skip
         pages = 8 * GiB // max(leaf.bytes_per_block for leaf in params.leaves())
         manager = PagedKVCacheManager(params, pages, max_batch_size=256)
-        gc.collect()
-        gc.freeze()
-        stats = replay(manager, trace, max_batch_size=256, max_num_batched_tokens=8192)
-        gc.unfreeze()
+        with gc_frozen():
+            stats = replay(manager, trace, max_batch_size=256, max_num_batched_tokens=8192)
         rows.append({
             "scenario": name, "policy": policy, "protected_fraction": fraction, "pages": pages,
             "groups": len(params.leaves()), "hit_rate": stats.first_admission_hit_rate, "ideal": ideal,
@@ -138,26 +141,24 @@ def _decode_us(windows: list[int | None], pages: int, batch: int, steps: int) ->
     scenario D trace (8 shared 1024-token prompts + 256 unique tokens), prefilled untimed first."""
     params = params_for(layer_specs(windows, 8, 128), enable_prefix_caching=True)
     manager = PagedKVCacheManager(params, pages, max_batch_size=batch)
-    contexts = [TextContext(r.request_id, r.prompt) for r in shared_prefix_trace(batch, 8, 1024, 256, steps)]
+    contexts = [TextContext(r.rid, r.prompt) for r in shared_prefix_trace(batch, 8, 1024, 256, steps)]
     for c in contexts:
         manager.claim(c.request_id)
         manager.alloc(c)
         c.update(1)
         manager.step([[c]])
-    gc.collect()
-    gc.freeze()
-    seconds, clock = 0.0, time.perf_counter
-    for _ in range(steps):
-        start = clock()
-        for c in contexts:
-            manager.alloc(c)
-        seconds += clock() - start
-        for c in contexts:  # the model's part: not bookkeeping
-            c.update(7)
-        start = clock()
-        manager.step([contexts])
-        seconds += clock() - start
-    gc.unfreeze()
+    with gc_frozen():
+        seconds, clock = 0.0, time.perf_counter
+        for _ in range(steps):
+            start = clock()
+            for c in contexts:
+                manager.alloc(c)
+            seconds += clock() - start
+            for c in contexts:  # the model's part: not bookkeeping
+                c.update(7)
+            start = clock()
+            manager.step([contexts])
+            seconds += clock() - start
     return 1e6 * seconds / (batch * steps)
 
 
@@ -206,3 +207,34 @@ def format_hybrid_report(r: dict[str, Any]) -> str:
     for d in r["decode"]:
         lines.append(f"| {d['model']} | {d['decode_us']:.2f} | {d['vllm_us']:.2f} |")
     return "\n".join(lines)
+
+
+def plots(r: dict[str, Any]) -> list[report.Plot]:
+    """KV bytes per request, hit rates against the ideal and vLLM, decode bookkeeping against vLLM."""
+    mem, hits, dec = r["memory"], r["hits"], r["decode"]
+    return [
+        report.Plot("hybrid_memory_mib", "KV per request", "MiB", [f"{m['model'].split(' (')[0]} @ {m['context']}" for m in mem],
+                    {k: [m[key] / 2**20 for m in mem] for k, key in (("pagedkv", "paged"), ("all layers full", "all_full"),
+                                                                     ("minimum", "minimum"))}),
+        report.Plot("hybrid_hit_rate", "prefix hit rate at 8 GiB",  "hit rate",
+                    [f"{h['scenario'][0]} {h['policy']} {h['protected_fraction']}" for h in hits],
+                    {"pagedkv": [h["hit_rate"] for h in hits], "ideal": [h["ideal"] for h in hits],
+                     "vLLM 0.33": [h["vllm"] for h in hits]}),
+        report.Plot("hybrid_decode_us", "decode bookkeeping at 40 GiB", "us per request-step",
+                    [d["model"] for d in dec], {"pagedkv": [d["decode_us"] for d in dec],
+                                                "vLLM 0.33": [d["vllm_us"] for d in dec]}),
+    ]  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `pagedkv bench hybrid`."""
+    p.add_argument("--requests", type=int, default=2000, help="requests of the zipf hit-rate trace")
+    p.add_argument("--seed", type=int, default=0, help="seed of the hit-rate trace")
+    p.add_argument("--repeats", type=int, default=5, help="alternated decode runs; the best of each is kept")
+
+
+def command(args: argparse.Namespace) -> int:
+    """`pagedkv bench hybrid`: measure, print the tables, write --json / --plots."""
+    result = run_hybrid_bench(num_requests=args.requests, seed=args.seed, repeats=args.repeats)
+    report.finish(args, format_hybrid_report(result), result, plots)
+    return 0

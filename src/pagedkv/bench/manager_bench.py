@@ -11,9 +11,8 @@ the vLLM measurements we compare with.
 
 from __future__ import annotations
 
-import gc
+import argparse
 import statistics
-import sys
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -21,7 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from pagedkv.bench import report
 from pagedkv.bench.driver import replay
+from pagedkv.bench.timing import gc_paused, hash_ns_per_token
 from pagedkv.bench.workloads import shared_prefix_trace
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.hashing import PrefixHasher
@@ -31,10 +32,11 @@ from pagedkv.manager.continuous import ContinuousBatchingKVCacheManager
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheParams
 
-__all__ = ["run_manager_bench", "format_report"]
+__all__ = ["add_arguments", "command", "format_report", "plots", "run_manager_bench"]
 
 GiB = 1024**3
-# vLLM 0.33's KVCacheManager measured on these 2-core machines (shared/reference/vllm.md section 14).
+# vLLM 0.33's v1 KVCacheManager (allocate_slots, its block hasher, BlockPool construction, sys.getsizeof of a
+# KVCacheBlock), measured with the same trace on the same kind of 2-core machine.
 VLLM = {
     "decode_us": 4.95,
     "hash_ns_per_token": 120.0,
@@ -78,7 +80,7 @@ def run_manager_bench(
     runs = []
     for _ in range(repeats):
         manager = PagedKVCacheManager(params, pages, max_batch_size=max_batch_size)
-        with _gc_off():
+        with gc_paused():
             runs.append(replay(manager, trace, max_batch_size=max_batch_size, progress=progress))
     stats = min(runs, key=lambda s: s.micros("decode_alloc") + s.micros("step_decode"))
     best = {phase: min(run.micros(phase) for run in runs) for phase in stats.seconds}
@@ -113,32 +115,6 @@ def run_manager_bench(
 
 def _request_steps(stats: Any) -> int:
     return sum(stats.calls[p] for p in ("step_prefill", "step_decode", "step_boundary"))
-
-
-class _gc_off:  # noqa: N801 - used as a context manager
-    def __enter__(self) -> None:
-        self.was_enabled = gc.isenabled()
-        gc.collect()
-        gc.disable()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.was_enabled:
-            gc.enable()
-
-
-def hash_ns_per_token(prompts: list[np.ndarray], page_size: int, algo: str, repeats: int = 3) -> float:
-    """Best-of-`repeats` nanoseconds per hashed token, hashing `prompts` in order with a fresh hasher."""
-    tokens = sum(((len(p) - 1) // page_size) * page_size for p in prompts)
-    best = float("inf")
-    with _gc_off():
-        for _ in range(repeats):
-            hasher = PrefixHasher(algo, page_size)
-            root = hasher.root()
-            t0 = time.perf_counter()
-            for p in prompts:
-                hasher.extend(p, 0, (len(p) - 1) // page_size, root)
-            best = min(best, time.perf_counter() - t0)
-    return 1e9 * best / tokens
 
 
 def pool_build_ms(num_pages: int, repeats: int = 5) -> float:
@@ -180,8 +156,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"{r['suffix_len']}-token suffix, {r['decode_steps']} decode steps, page {r['page_size']}, "
         f"batch {r['max_batch_size']}, {r['pool_pages']} pages of {r['bytes_per_page_kv'] / 2**20:.0f} MiB",
         "",
-        "| figure | pagedkv | target | vLLM 0.33 |",
-        "|---|---|---|---|",
+        *report.table(("figure", "pagedkv", "target", "vLLM 0.33"), ()),
         row("decode step, no new page (alloc + step), us/request", f"{r['decode_step_us']:.2f}", "<= 1.0", "4.95"),
         row("  of which alloc / step, us", f"{r['decode_alloc_us']:.2f} / {r['step_us']:.2f}"),
         row("decode step that takes or fills a page, us/request", f"{r['boundary_step_us']:.2f}"),
@@ -205,11 +180,44 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def print_progress(done: int, total: int) -> None:
-    """A one-line progress bar on stderr."""
-    width = 30
-    filled = width * done // total
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+def plots(r: dict[str, Any]) -> list[report.Plot]:
+    """Per-call bookkeeping (us) and hashing cost (ns per token) against vLLM's figures."""
+    calls = {"decode step": ("decode_step_us", VLLM["decode_us"]), "page-boundary step": ("boundary_step_us", None),
+             "release": ("release_us", None), "runtime_inputs": ("runtime_inputs_us_per_request", None)}  # fmt: skip
+    algos = ("sha256", "sha256_64", "xxh3_128")
+    return [
+        report.Plot("manager_calls_us", "bookkeeping per request and call", "us per request", list(calls),
+                    {"pagedkv": [r[key] for key, _ in calls.values()],
+                     "vLLM 0.33": [vllm for _, vllm in calls.values()]}),
+        report.Plot("manager_hashing_ns", "prefix hashing", "ns per token", list(algos),
+                    {"trace prompts": [r[f"hash_ns_per_token_{a}"] for a in algos],
+                     "never-seen tokens": [r[f"hash_ns_per_token_{a}_unique"] for a in algos],
+                     "vLLM 0.33 (sha256)": [VLLM["hash_ns_per_token"], None, None]}),
+    ]  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `pagedkv bench manager`."""
+    p.add_argument("--requests", type=int, default=2000, help="requests in the trace")
+    p.add_argument("--groups", type=int, default=16, help="system prompts the requests share")
+    p.add_argument("--prefix-len", type=int, default=1024, help="tokens of each shared system prompt")
+    p.add_argument("--suffix-len", type=int, default=256, help="unique tokens after the system prompt")
+    p.add_argument("--decode-steps", type=int, default=128, help="tokens each request generates")
+    p.add_argument("--max-batch-size", type=int, default=64, help="requests running at once")
+    p.add_argument("--budget-gib", type=float, default=16.0, help="KV memory of the pool (sets its page count)")
+    p.add_argument("--pool-pages", type=int, default=1_000_000, help="pool size for the construction figure")
+    p.add_argument("--seed", type=int, default=0, help="seed of the trace")
+    p.add_argument("--repeats", type=int, default=3, help="replays; per-call figures are the best of them")
+
+
+def command(args: argparse.Namespace) -> int:
+    """`pagedkv bench manager`: replay, print the table, write --json / --plots."""
+    with report.Progress("requests") as progress:
+        result = run_manager_bench(
+            num_requests=args.requests, num_groups=args.groups, prefix_len=args.prefix_len,
+            suffix_len=args.suffix_len, decode_steps=args.decode_steps, max_batch_size=args.max_batch_size,
+            budget_gib=args.budget_gib, pool_pages=args.pool_pages, seed=args.seed, repeats=args.repeats,
+            progress=progress,
+        )  # fmt: skip
+    report.finish(args, format_report(result), result, plots)
+    return 0

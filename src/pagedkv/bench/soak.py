@@ -1,4 +1,4 @@
-"""`pagedkv bench soak`: a long run of the engine over every tier, with resident memory sampled (issue 7).
+"""`pagedkv bench soak`: a long run of the engine over every tier, with resident memory sampled.
 
 Two `LLMEngine`s share one tiny seeded Llama (fp32): ``kv_connector="tiered"`` (host + a disk directory
 small enough for its LRU to delete files) and ``"redis"`` (host + a `redis-server` it starts, or `redis_url`).
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import tempfile
@@ -21,7 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_soak_parser", "format_soak_report", "run_soak", "soak_command"]
+from pagedkv.bench import report
+
+__all__ = ["add_arguments", "command", "format_soak_report", "plots", "run_soak"]
 
 Progress = Callable[[int, int], None]
 Handles = tuple[set[int], set[threading.Thread]]
@@ -273,28 +274,33 @@ def format_soak_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_soak_parser(kinds: Any) -> argparse.ArgumentParser:
-    """Add ``soak`` to the ``pagedkv bench`` sub-commands (`kinds`: an argparse subparsers object)."""
-    soak: argparse.ArgumentParser = kinds.add_parser("soak", help="engine soak over every tier: RSS, leaks, tokens")
-    soak.add_argument("--requests", type=int, default=20000)
-    soak.add_argument("--wave", type=int, default=128, help="requests fed at once, alternating engines")
-    soak.add_argument("--prompts", type=int, default=256, help="distinct prompts the requests are drawn from")
-    soak.add_argument("--rss-bound-mib", type=float, default=4.0, help="RSS growth allowed after warm-up")
-    soak.add_argument("--seed", type=int, default=0)
-    soak.add_argument("--dir", help="parent of the disk tier's temporary directory")
-    soak.add_argument("--redis-url", help="use this Redis server instead of starting redis-server")
-    soak.add_argument("--json", type=Path, help="also write the figures to this JSON file")
-    return soak
+def plots(r: dict[str, Any]) -> list[report.Plot]:
+    """Resident memory, and open fds and threads, at every sample."""
+    xs = [s["requests"] for s in r["samples"]]
+    return [
+        report.Plot("soak_rss", "resident memory after each drain", "VmRSS, MiB", xs,
+                    {"RSS": [s["rss_kib"] / 1024 for s in r["samples"]]}, kind="line", xlabel="requests served"),
+        report.Plot("soak_handles", "open file descriptors and threads after each drain", "count", xs,
+                    {"fds": [s["fds"] for s in r["samples"]], "threads": [s["threads"] for s in r["samples"]]},
+                    kind="line", xlabel="requests served"),
+    ]  # fmt: skip
 
 
-def soak_command(args: argparse.Namespace) -> int:
-    """`pagedkv bench soak`: run, print the report, write --json; 0 when every check passed, else 1."""
-    from pagedkv.bench.manager_bench import print_progress
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `pagedkv bench soak`."""
+    p.add_argument("--requests", type=int, default=20000, help="requests served in all")
+    p.add_argument("--wave", type=int, default=128, help="requests fed at once, alternating engines")
+    p.add_argument("--prompts", type=int, default=256, help="distinct prompts the requests are drawn from")
+    p.add_argument("--rss-bound-mib", type=float, default=4.0, help="RSS growth allowed after warm-up")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model, the prompts and the requests")
+    p.add_argument("--dir", help="parent of the disk tier's temporary directory (default: the system's temp dir)")
+    p.add_argument("--redis-url", help="use this Redis server instead of starting redis-server")
 
-    result = run_soak(args.requests, wave=args.wave, num_prompts=args.prompts, rss_bound_mib=args.rss_bound_mib,
-                      seed=args.seed, directory=args.dir, redis_url=args.redis_url, progress=print_progress)  # fmt: skip
-    print(format_soak_report(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+
+def command(args: argparse.Namespace) -> int:
+    """`pagedkv bench soak`: run, print the report, write --json / --plots; 0 when every check passed, else 1."""
+    with report.Progress("requests") as progress:
+        result = run_soak(args.requests, wave=args.wave, num_prompts=args.prompts, rss_bound_mib=args.rss_bound_mib,
+                          seed=args.seed, directory=args.dir, redis_url=args.redis_url, progress=progress)  # fmt: skip
+    report.finish(args, format_soak_report(result), result, plots)
     return 0 if result["passed"] else 1

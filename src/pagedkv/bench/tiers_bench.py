@@ -1,4 +1,4 @@
-"""`pagedkv bench tiers`: each offload tier against its raw medium, and TTFT from a warm tier (issue 5).
+"""`pagedkv bench tiers`: each offload tier against its raw medium, and TTFT from a warm tier.
 
 1. Throughput of offload and load per tier, as a ratio to the raw medium
    measured in the same run, on realistic pages (a Llama-3-8B-like page: bf16,
@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import platform
@@ -37,11 +38,22 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from pagedkv.bench import report
 from pagedkv.bench.tiers_cases import DiskCase, HostCase, TierCase
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.params import KVCacheParams
 
-__all__ = ["SHAPES", "TARGETS", "PageShape", "format_tiers_report", "measure", "run_tiers_bench"]
+__all__ = [
+    "SHAPES",
+    "TARGETS",
+    "PageShape",
+    "add_arguments",
+    "command",
+    "format_tiers_report",
+    "measure",
+    "plots",
+    "run_tiers_bench",
+]
 
 GiB = 1024**3
 TARGETS = {"host": 0.8, "disk": 0.8, "redis": 0.7}  # throughput ratio ours / raw, at least
@@ -215,3 +227,49 @@ def format_tiers_report(r: dict[str, Any]) -> str:
 
         lines += ["", format_ttft_report(r["ttft"])]
     return "\n".join(lines)
+
+
+def plots(r: dict[str, Any]) -> list[report.Plot]:
+    """Throughput of each tier and its raw medium; time to first token per engine when measured."""
+    rows = r["throughput"]
+    out = [report.Plot("tiers_throughput", "tier throughput vs the raw medium", "GiB/s of page payload",
+                       [f"{t['shape']} {t['tier']} {t['phase']}" for t in rows],
+                       {"pagedkv": [t["ours_gibps"] for t in rows], "raw": [t["raw_gibps"] for t in rows]})]  # fmt: skip
+    if "ttft" in r:
+        modes = r["ttft"]["modes"]
+        out.append(report.Plot("tiers_ttft_ms", "time to first token, fresh engine", "ms", list(modes),
+                               {"TTFT": [1e3 * m["ttft_mean_best"] for m in modes.values()],
+                                "of which tier load": [1e3 * m["load_mean"] for m in modes.values()]}))  # fmt: skip
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `pagedkv bench tiers`."""
+    p.add_argument("--shapes", default="llama3-8b,llama3.2-1b", help=f"page shapes, of {', '.join(SHAPES)}")
+    p.add_argument("--tiers", default="host,disk,redis", help="which tiers to measure (comma-separated)")
+    p.add_argument("--mib", type=int, default=256, help="MiB of pages moved per pass, per shape")
+    p.add_argument("--batch", type=int, default=64, help="pages per offload / load call")
+    p.add_argument("--repeats", type=int, default=5, help="alternated runs; the best of each side is kept")
+    p.add_argument("--io-threads", type=int, default=4, help="disk / Redis tier threads (KVConnectorConfig)")
+    p.add_argument("--dir", help="directory for the disk files (default: the system's temp directory)")
+    p.add_argument("--redis-url", help="use this Redis server instead of starting redis-server")
+    p.add_argument("--no-cold", action="store_true", help="skip the disk reads after dropping the page cache")
+    p.add_argument("--no-ttft", action="store_true", help="skip the time-to-first-token part")
+    p.add_argument("--ttft-prompts", type=int, default=4, help="prompts served one at a time in the TTFT part")
+    p.add_argument("--ttft-prompt-len", type=int, default=1024, help="tokens per TTFT prompt")
+    p.add_argument("--ttft-repeats", type=int, default=3, help="alternated TTFT runs; the best is kept")
+    p.add_argument("--ttft-hidden", type=int, default=512, help="hidden size of the TTFT model")
+    p.add_argument("--ttft-layers", type=int, default=8, help="layers of the TTFT model")
+
+
+def command(args: argparse.Namespace) -> int:
+    """`pagedkv bench tiers`: measure, print the tables, write --json / --plots."""
+    ttft_options = dict(num_prompts=args.ttft_prompts, prompt_len=args.ttft_prompt_len,
+                        repeats=args.ttft_repeats, hidden=args.ttft_hidden, layers=args.ttft_layers)  # fmt: skip
+    result = run_tiers_bench(
+        shapes=tuple(args.shapes.split(",")), mib=args.mib, batch=args.batch, repeats=args.repeats,
+        tiers=tuple(args.tiers.split(",")), directory=args.dir, redis_url=args.redis_url, cold=not args.no_cold,
+        io_threads=args.io_threads, ttft=not args.no_ttft, ttft_options=ttft_options,
+    )  # fmt: skip
+    report.finish(args, format_tiers_report(result), result, plots)
+    return 0

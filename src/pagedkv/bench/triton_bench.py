@@ -18,18 +18,30 @@ dense torch computation of the same attention.
 
 from __future__ import annotations
 
+import argparse
 import math
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from pagedkv.bench import report
+from pagedkv.bench.timing import best_of_cuda
 from pagedkv.ops import triton_decode
 from pagedkv.ops.fp8 import quantize_reference
 from pagedkv.ops.metadata import PagedMetadata
 from pagedkv.runtime.inputs import RaggedKVCacheInputs, max_lengths_table
 
-__all__ = ["bench_batch", "decode_bytes_read", "dense_decode", "run_triton_bench", "format_report"]
+__all__ = [
+    "add_arguments",
+    "bench_batch",
+    "command",
+    "decode_bytes_read",
+    "dense_decode",
+    "format_report",
+    "run_triton_bench",
+]
 
 
 def decode_bytes_read(
@@ -48,23 +60,6 @@ def decode_bytes_read(
     """
     per_position = kv_dim * n_kv_heads * (head_dim * elem_bytes + num_scale_groups * scale_bytes)
     return sum(kv_lengths) * per_position
-
-
-def _best_ms(fn: Callable[[], object], warmup: int, repeats: int, inner: int) -> float:
-    """Best over `repeats` of the mean milliseconds of `inner` back-to-back calls (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / inner)
-    return best
 
 
 def dense_decode(
@@ -168,14 +163,14 @@ def run_triton_bench(
         raise RuntimeError(f"Triton decode output differs from the dense computation (max |error| {max_err:.3g})")
     del got, expected
 
-    kernel_ms = _best_ms(decode, warmup, repeats, inner)
+    kernel_ms = best_of_cuda(decode, warmup, repeats, inner)
     num_groups, scale_bytes = (0, 0) if scales is None else (scales.shape[-1], scales.element_size())
     nbytes = decode_bytes_read(
         [context] * batch, n_kv_heads, head_dim, 2, blocks.element_size(), num_groups, scale_bytes
     )  # fmt: skip
     src = torch.empty(copy_mib << 20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy_ms = _best_ms(lambda: dst.copy_(src), warmup, repeats, inner)
+    copy_ms = best_of_cuda(lambda: dst.copy_(src), warmup, repeats, inner)
     kernel_gbps = nbytes / (kernel_ms * 1e-3) / 1e9
     copy_gbps = 2 * src.numel() / (copy_ms * 1e-3) / 1e9
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -198,3 +193,20 @@ def format_report(result: dict[str, Any]) -> str:
         f"{result['kernel_gbps']:.0f} GB/s = {100 * result['fraction_of_copy']:.1f}% of copy "
         f"({result['copy_gbps']:.0f} GB/s)"
     )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `pagedkv bench triton` (one line of figures: no table, no plots)."""
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn"],
+                   help="cache dtype (float8_e4m3fn: float32 scales every head_dim elements)")  # fmt: skip
+
+
+def command(args: argparse.Namespace) -> int:
+    """`pagedkv bench triton`: measure, print the line, write --json; 2 without a usable CUDA kernel."""
+    try:
+        result = run_triton_bench(dtype=args.dtype)
+    except RuntimeError as exc:  # no CUDA GPU (or no usable kernel) here
+        print(f"pagedkv bench triton: {exc}", file=sys.stderr)
+        return 2
+    report.finish(args, format_report(result), result)
+    return 0

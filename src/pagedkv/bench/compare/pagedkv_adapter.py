@@ -14,7 +14,7 @@ import bisect
 from collections.abc import Sequence
 from typing import Any
 
-from pagedkv.bench.compare.sim import SimRequest
+from pagedkv.bench.workloads import TraceRequest
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError
@@ -48,7 +48,7 @@ class PagedKVAdapter:
     def new_step(self) -> None:
         pass
 
-    def admit(self, req: SimRequest, budget: int) -> tuple[int, int] | None:
+    def admit(self, req: TraceRequest, budget: int) -> tuple[int, int] | None:
         ctx = req.handle
         if ctx is None:
             ctx = req.handle = TextContext(req.rid, req.live_tokens)
@@ -63,7 +63,7 @@ class PagedKVAdapter:
             ctx.tokens.chunk(n)
         return ctx.tokens.processed_length, n
 
-    def extend(self, req: SimRequest, n: int) -> bool:
+    def extend(self, req: TraceRequest, n: int) -> bool:
         tokens = req.handle.tokens
         if n > 1 or tokens.active_length > 1:  # a prefill chunk (a decode step needs no window change)
             tokens.unchunk()
@@ -75,7 +75,7 @@ class PagedKVAdapter:
             return False
         return True
 
-    def advance(self, batch: Sequence[tuple[SimRequest, int]]) -> None:
+    def advance(self, batch: Sequence[tuple[TraceRequest, int]]) -> None:
         ctxs = []
         for req, _ in batch:
             ctx = req.handle
@@ -83,7 +83,7 @@ class PagedKVAdapter:
             ctxs.append(ctx)
         self.mgr.step([ctxs])
 
-    def free(self, req: SimRequest, preempted: bool) -> None:
+    def free(self, req: TraceRequest, preempted: bool) -> None:
         self.mgr.release(req.rid)
         if preempted:
             req.handle = TextContext(req.rid, req.live_tokens)  # restarts as a prompt of every token so far
@@ -100,7 +100,7 @@ class BeladyOracle:
     admission. The key of a free cached page is ``(-next use, -depth)``.
     """
 
-    def __init__(self, adapter: PagedKVAdapter, trace: Sequence[SimRequest], order: Sequence[int]) -> None:
+    def __init__(self, adapter: PagedKVAdapter, trace: Sequence[TraceRequest], order: Sequence[int]) -> None:
         self.adapter, self.bm = adapter, adapter.bm
         by_rid = {r.rid: r for r in trace}
         self.uses: dict[BlockHash, list[int]] = {}
@@ -140,12 +140,12 @@ class BeladyOracle:
 class BeladyAdapter(PagedKVAdapter):
     """pagedkv's manager evicting by `BeladyOracle` (an offline bound, not a usable policy)."""
 
-    def __init__(self, params: KVCacheParams, num_pages: int, trace: Sequence[SimRequest], order: Sequence[int],
+    def __init__(self, params: KVCacheParams, num_pages: int, trace: Sequence[TraceRequest], order: Sequence[int],
                  max_num_seqs: int = 256) -> None:  # fmt: skip
         super().__init__("belady", params, num_pages, max_num_seqs)
         self.oracle = BeladyOracle(self, trace, order)
 
-    def admit(self, req: SimRequest, budget: int) -> tuple[int, int] | None:
+    def admit(self, req: TraceRequest, budget: int) -> tuple[int, int] | None:
         got = super().admit(req, budget)
         if got is not None and req.admissions == 0:
             self.oracle.admitted(req.rid)

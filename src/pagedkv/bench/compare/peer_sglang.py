@@ -3,7 +3,7 @@
 On the measured path: `RadixCache.match_prefix` / `lock` / `checkpoint` / `evict` /
 `free_kv_row` / `unlock`, `PagedTokenToKVPoolAllocator.alloc_extend` / `alloc_decode`
 (its CPU "naive" torch path), `ReqToTokenPool` rows and a real `ReqKvInfo` per request.
-The lifecycle is SGLang's, inside the shared loop (shared/reference/lab_peers.md §4):
+The lifecycle is SGLang's scheduler's (its `schedule_batch` / `RadixCache` documentation), inside the shared loop:
 
 - admission: ``match_prefix(fill_ids[:-1])`` + ``lock``; the matched indices go into a
   fresh `ReqToTokenPool` row;
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.bench.compare.peers import import_peer
-from pagedkv.bench.compare.sim import SimRequest
+from pagedkv.bench.workloads import TraceRequest
 
 __all__ = ["SglangAdapter", "sglang_version"]
 
@@ -131,7 +131,7 @@ class SglangAdapter:
     def new_step(self) -> None:
         pass  # SGLang has no per-step hook in the tree or the allocator
 
-    def admit(self, req: SimRequest, budget: int) -> tuple[int, int] | None:
+    def admit(self, req: TraceRequest, budget: int) -> tuple[int, int] | None:
         s, rec = self._s, req.handle
         if rec is None:
             tokens = array("q")
@@ -156,7 +156,7 @@ class SglangAdapter:
         self._reserved += pages
         return hit, n
 
-    def extend(self, req: SimRequest, n: int) -> bool:
+    def extend(self, req: TraceRequest, n: int) -> bool:
         rec = req.handle
         pages = self._pages(rec.kv.kv_allocated_len, n)
         if not self._fits(pages):
@@ -165,7 +165,7 @@ class SglangAdapter:
         self._reserved += pages
         return True
 
-    def advance(self, batch: Sequence[tuple[SimRequest, int]]) -> None:
+    def advance(self, batch: Sequence[tuple[TraceRequest, int]]) -> None:
         shortfall = self._reserved * self.page_size - self.allocator.available_size()
         if shortfall > 0:
             self.tree.evict(self._s.EvictParams(num_tokens=shortfall))
@@ -211,7 +211,7 @@ class SglangAdapter:
             pos += n
             r.kv.kv_allocated_len = r.kv.kv_committed_len = a + n
 
-    def free(self, req: SimRequest, preempted: bool) -> None:
+    def free(self, req: TraceRequest, preempted: bool) -> None:
         rec = req.handle
         self._reserved -= rec.reserved
         rec.reserved = 0

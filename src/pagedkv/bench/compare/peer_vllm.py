@@ -3,7 +3,7 @@
 Everything on the measured path is vLLM's own code: `Request` with vLLM's block hasher
 (sha256 by default), `KVCacheManager.get_computed_blocks` / `allocate_slots` / `free`,
 its coordinator and `BlockPool`. The calls follow vLLM's `Scheduler` convention as
-described in shared/reference/lab_peers.md §2-3. vLLM is imported lazily; without it
+described in vLLM's v1 scheduler and KV cache manager documentation. vLLM is imported lazily; without it
 the constructor raises `PeerUnavailable`.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.bench.compare.peers import import_peer
-from pagedkv.bench.compare.sim import SimRequest
+from pagedkv.bench.workloads import TraceRequest
 
 __all__ = ["VllmAdapter", "vllm_hash_ns_per_token", "vllm_version", "HASH_NAMES"]
 
@@ -85,7 +85,7 @@ def _kv_cache_config(v: SimpleNamespace, num_blocks: int, page_size: int) -> Any
     except AttributeError:  # the private planner moved: the same single group by hand
         groups = [v.KVCacheGroupSpec(names, spec)]
     page = spec.page_size_bytes
-    # Layer-outer layout; the manager never reads the tensors (lab_peers §3).
+    # Layer-outer layout; the manager never reads the tensors (vLLM's `KVCacheManager` hands out block ids only).
     tensors = [
         v.KVCacheTensor(
             size=page * num_blocks * _LAYERS, layers=names, layer_stride=page * num_blocks, block_stride=page
@@ -139,7 +139,7 @@ class VllmAdapter:
         self._status = v.RequestStatus
         self._sampling: dict[int, Any] = {}  # output_len -> SamplingParams
 
-    def _request(self, req: SimRequest) -> Any:
+    def _request(self, req: TraceRequest) -> Any:
         """vLLM's `Request` for `req` (prompt hashed in its constructor)."""
         sp = self._sampling.get(req.output_len)
         if sp is None:
@@ -150,7 +150,7 @@ class VllmAdapter:
     def new_step(self) -> None:
         self.manager.new_step_starts()
 
-    def admit(self, req: SimRequest, budget: int) -> tuple[int, int] | None:
+    def admit(self, req: TraceRequest, budget: int) -> tuple[int, int] | None:
         r = req.handle
         if r is None:
             r = req.handle = self._request(req)
@@ -163,17 +163,17 @@ class VllmAdapter:
         r.num_computed_tokens = hit
         return hit, n
 
-    def extend(self, req: SimRequest, n: int) -> bool:
+    def extend(self, req: TraceRequest, n: int) -> bool:
         return self.manager.allocate_slots(req.handle, n) is not None
 
-    def advance(self, batch: Sequence[tuple[SimRequest, int]]) -> None:
+    def advance(self, batch: Sequence[tuple[TraceRequest, int]]) -> None:
         for req, n in batch:
             r = req.handle
             r.num_computed_tokens += n
             while r.num_tokens < req.num_tokens:  # the driver sampled a token
                 r.append_output_token_ids(int(req.tokens[r.num_tokens]))
 
-    def free(self, req: SimRequest, preempted: bool) -> None:
+    def free(self, req: TraceRequest, preempted: bool) -> None:
         r = req.handle
         self.manager.free(r)
         if preempted:

@@ -47,7 +47,7 @@ def ensure_torchvision_ops() -> None:
     PyPI's torchvision is a CUDA build whose ``_C`` never loads against torch+cpu; its
     ``_meta_registrations`` then fails on the missing ops. transformers (imported by both
     vLLM and SGLang) imports torchvision when it is installed, so the schemas must exist
-    first (shared/reference/lab_peers.md §4). A no-op without torchvision or with a real
+    first. A no-op without torchvision or with a real
     CPU build, and idempotent. Not on any measured path.
     """
     if _TV_LIB:

@@ -6,7 +6,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["format_markdown", "policy_verdict", "write_plots", "cells"]
+from pagedkv.bench import report
+
+__all__ = ["cells", "format_markdown", "plots", "policy_verdict", "write_plots"]
 
 BASE = "pagedkv-lru"
 
@@ -78,53 +80,33 @@ def format_markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {w} | {' | '.join(f'{h[n]:.1f}' if n in h else '-' for n in names)} |")
     verdict = policy_verdict(result)
     lines += ["", f"### Eviction policies vs {verdict['base']} (hit-rate points)", ""]
-    lines += ["| policy | worst | mean | best |", "|---|---|---|---|"]
-    for name, s in verdict["policies"].items():
-        lines.append(f"| {name} | {100 * s['worst']:+.2f} | {100 * s['mean']:+.2f} | {100 * s['best']:+.2f} |")
+    lines += report.table(("policy", "worst", "mean", "best"), (
+        (name, f"{100 * s['worst']:+.2f}", f"{100 * s['mean']:+.2f}", f"{100 * s['best']:+.2f}")
+        for name, s in verdict["policies"].items()))  # fmt: skip
     lines += ["", f"Winner (never loses more than {100 * verdict['max_loss']:.0f} point): {verdict['winner']}"]
     for peer, why in result["skipped"].items():
         lines.append(f"\nSkipped {peer}: {why}")
     return "\n".join(lines) + "\n"
 
 
-def write_plots(result: dict[str, Any], directory: Path) -> list[Path]:
-    """One PNG per workload (hit rate vs capacity, every manager, with the ideal) and one of the
-    bookkeeping cost at the largest capacity. Needs matplotlib (extra `pagedkv[bench]`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    directory.mkdir(parents=True, exist_ok=True)
-    table, managers, paths = cells(result), _managers(result), []
+def plots(result: dict[str, Any]) -> list[report.Plot]:
+    """Per workload, hit rate vs capacity (every manager, with the ideal); bookkeeping cost at the largest
+    capacity of each workload."""
+    table, managers, out = cells(result), _managers(result), []
     for w in result["ideal"]:
         caps = sorted(p for (wl, p) in table if wl == w)
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for m in managers:
-            xs = [p for p in caps if m in table[(w, p)]]
-            style = "--" if m == "belady" else "-"
-            ax.plot(xs, [table[(w, p)][m]["hit_rate"] for p in xs], style, marker="o", label=m)
-        ax.axhline(result["ideal"][w]["page"], color="gray", linestyle=":", label="ideal (unbounded)")
-        ax.set(xscale="log", xlabel="pages in the pool", ylabel="prefix hit rate", title=f"{w}")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        paths.append(directory / f"hit_rate_{w}.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7.2, 4.2))
+        series = {m: [table[(w, p)][m]["hit_rate"] if m in table[(w, p)] else None for p in caps] for m in managers}
+        out.append(report.Plot(f"hit_rate_{w}", w, "prefix hit rate", caps, series, kind="line",
+                               xlabel="pages in the pool", logx=True, dashed={"belady"},
+                               hline=(result["ideal"][w]["page"], "ideal (unbounded)")))  # fmt: skip
     workloads = list(result["ideal"])
-    width = 0.8 / max(len(managers), 1)
-    for i, m in enumerate(managers):
-        vals = []
-        for w in workloads:
-            top = max(p for (wl, p) in table if wl == w)
-            vals.append(table[(w, top)].get(m, {}).get("bookkeeping_us", 0.0))
-        ax.bar([k + i * width for k in range(len(workloads))], vals, width, label=m)
-    ax.set_xticks([k + 0.4 for k in range(len(workloads))], workloads)
-    ax.set(ylabel="µs per scheduled request-step", title="bookkeeping cost (largest capacity)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(directory / "bookkeeping_us.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
+    tops = {w: max(p for (wl, p) in table if wl == w) for w in workloads}
+    cost = {m: [table[(w, tops[w])].get(m, {}).get("bookkeeping_us", 0.0) for w in workloads] for m in managers}
+    out.append(report.Plot("bookkeeping_us", "bookkeeping cost (largest capacity)", "µs per scheduled request-step",
+                           workloads, cost))  # fmt: skip
+    return out
+
+
+def write_plots(result: dict[str, Any], directory: Path) -> list[Path]:
+    """The PNGs of `plots` in `directory`. Needs matplotlib (extra `pagedkv[bench]`)."""
+    return report.write_plots(plots(result), directory)

@@ -15,18 +15,20 @@ The garbage collector is frozen after setup, as vLLM's engine core does.
 
 from __future__ import annotations
 
-import gc
-import time
+import argparse
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+from pagedkv.bench import timing
 from pagedkv.bench.compare.pagedkv_adapter import BeladyAdapter, PagedKVAdapter, compare_params
 from pagedkv.bench.compare.peers import PeerUnavailable, load_peer
-from pagedkv.bench.compare.sim import CacheAdapter, SimConfig, SimRequest, SimResult, simulate
-from pagedkv.bench.compare.traces import WORKLOADS, ideal_hit_rates, make_trace, unique_pages
-from pagedkv.core.hashing import PrefixHasher
+from pagedkv.bench.compare.sim import CacheAdapter, SimConfig, SimResult, simulate
+from pagedkv.bench.timing import gc_frozen
+from pagedkv.bench.workloads import WORKLOADS, TraceRequest, ideal_hit_rates, make_trace, unique_pages
 
-__all__ = ["POLICIES", "run_compare", "hash_ns_per_token"]
+__all__ = ["POLICIES", "add_arguments", "command", "hash_ns_per_token", "run_compare"]
 
 # name -> KVCacheParams overrides of pagedkv's configurations
 ON_ALLOC = {"commit_on_alloc": True}  # vLLM's schedule-time caching: same-step admissions share pages
@@ -44,13 +46,9 @@ FRACTIONS = (0.1, 0.2, 0.4, 1.0)
 Progress = Callable[[int, int, str], None]  # (runs done, runs planned, what just ran)
 
 
-def _replay(adapter: CacheAdapter, trace: Sequence[SimRequest], config: SimConfig) -> SimResult:
-    gc.collect()
-    gc.freeze()
-    try:
+def _replay(adapter: CacheAdapter, trace: Sequence[TraceRequest], config: SimConfig) -> SimResult:
+    with gc_frozen():
         return simulate(adapter, trace, config)
-    finally:
-        gc.unfreeze()
 
 
 def _row(workload: str, pages: int, res: SimResult) -> dict[str, Any]:
@@ -62,7 +60,7 @@ def _row(workload: str, pages: int, res: SimResult) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def capacities(trace: list[SimRequest], page_size: int, fractions: Sequence[float], floor_pages: int) -> list[int]:
+def capacities(trace: list[TraceRequest], page_size: int, fractions: Sequence[float], floor_pages: int) -> list[int]:
     """Pool sizes for the sweep: `fractions` of the unbounded cache's pages, at least `floor_pages` and
     at least twice the longest request."""
     longest = max(-(-len(r.tokens) // page_size) for r in trace)
@@ -128,7 +126,7 @@ def run_compare(
     }  # fmt: skip
 
 
-def _belady(trace: list[SimRequest], pages: int, page_size: int, order: list[int], config: SimConfig) -> SimResult:
+def _belady(trace: list[TraceRequest], pages: int, page_size: int, order: list[int], config: SimConfig) -> SimResult:
     """The better of two Belady passes (each reads the future from the previous pass's admission order)."""
     best: SimResult | None = None
     for _ in range(2):
@@ -153,22 +151,13 @@ class _Ticker:
             self.progress(min(self.done, self.planned), self.planned, f"{workload} @ {pages} pages: {what}")
 
 
-def hash_ns_per_token(trace: list[SimRequest], page_size: int, peers: Sequence[str],
+def hash_ns_per_token(trace: list[TraceRequest], page_size: int, peers: Sequence[str],
                       skipped: dict[str, str], repeats: int = 3) -> dict[str, float]:  # fmt: skip
     """Prompt hashing cost per token, best of `repeats` passes over every prompt of `trace`: pagedkv's
-    chain (sha256 and xxh3_128, a fresh hasher per pass) and vLLM's own block hasher when installed."""
+    chain (sha256 and xxh3_128, `timing.hash_ns_per_token`) and vLLM's own block hasher when installed."""
     prompts = [r.tokens[: r.prompt_len] for r in trace]
-    n_tokens = sum(len(p) // page_size * page_size for p in prompts)
-    out: dict[str, float] = {}
-    for algo in ("sha256", "xxh3_128"):
-        best = float("inf")
-        for _ in range(repeats):
-            hasher = PrefixHasher(algo, page_size, None)
-            t0 = time.perf_counter()
-            for p in prompts:
-                hasher.extend(p, 0, len(p) // page_size, hasher.root(None))
-            best = min(best, time.perf_counter() - t0)
-        out[f"pagedkv_{algo}"] = 1e9 * best / n_tokens
+    out = {f"pagedkv_{algo}": timing.hash_ns_per_token(prompts, page_size, algo, repeats, last_page=True)
+           for algo in ("sha256", "xxh3_128")}  # fmt: skip
     if "vllm" in peers and "vllm" not in skipped:
         try:
             from pagedkv.bench.compare.peer_vllm import vllm_hash_ns_per_token
@@ -178,3 +167,41 @@ def hash_ns_per_token(trace: list[SimRequest], page_size: int, peers: Sequence[s
         except (ImportError, PeerUnavailable) as exc:
             skipped["vllm"] = str(exc)
     return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `pagedkv bench compare` (--json and --plots come with every bench)."""
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workloads (bench/workloads.py)")
+    p.add_argument("--requests", type=int, default=1000, help="requests per workload")
+    p.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
+                   help="capacities, as fractions of the pages an unbounded cache would hold")  # fmt: skip
+    p.add_argument("--peers", default="vllm,sglang", help="peer managers to load ('' for none)")
+    p.add_argument(
+        "--policies", default=",".join(POLICIES), help="pagedkv configurations (POLICIES in bench/compare/run.py)"
+    )
+    p.add_argument("--no-belady", action="store_true", help="skip the offline-optimal (Belady) bound")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workloads")
+    p.add_argument("--markdown", type=Path, help="also write the tables to this markdown file")
+    p.add_argument("--from-json", type=Path, help="render the tables and plots of an earlier --json run")
+
+
+def command(args: argparse.Namespace) -> int:
+    """`pagedkv bench compare`: run the sweep (or read --from-json), print the tables, write the files."""
+    from pagedkv.bench import report
+    from pagedkv.bench.compare.report import format_markdown, plots
+
+    if args.from_json:
+        result = json.loads(args.from_json.read_text())
+    else:
+        with report.Progress("runs") as progress:
+            result = run_compare(
+                workloads=[w for w in args.workloads.split(",") if w], num_requests=args.requests,
+                fractions=[float(f) for f in args.fractions.split(",") if f],
+                peers=[p for p in args.peers.split(",") if p], policies=[p for p in args.policies.split(",") if p],
+                belady=not args.no_belady, seed=args.seed, progress=progress,
+            )  # fmt: skip
+    text = format_markdown(result)
+    if args.markdown:
+        args.markdown.write_text(text)
+    report.finish(args, text, result, plots)
+    return 0

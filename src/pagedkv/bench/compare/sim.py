@@ -1,7 +1,7 @@
 """One scheduler loop for every cache manager compared: pagedkv, vLLM's, SGLang's and the bounds.
 
-The loop is a miniature of vLLM's v1 scheduler (the convention the peer
-figures in ``shared/reference/lab_peers.md`` were measured under), driven
+The loop is a miniature of vLLM's v1 scheduler (as vLLM's documentation of its
+v1 `Scheduler` describes it; the peers are measured under it too), driven
 through the small `CacheAdapter` protocol so each manager sees exactly the
 same calls in the same order:
 
@@ -28,46 +28,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
-import numpy as np
+from pagedkv.bench.workloads import TraceRequest
 
-__all__ = ["SimRequest", "CacheAdapter", "SimConfig", "SimResult", "simulate"]
-
-
-@dataclass(eq=False)
-class SimRequest:
-    """One request of a trace plus the driver's view of its progress.
-
-    `tokens` holds the prompt followed by every token the request will
-    generate; the live sequence is ``tokens[:num_tokens]``.
-    """
-
-    rid: int
-    tokens: np.ndarray  # int32 [prompt_len + output_len]
-    prompt_len: int
-    after: int | None = None  # rid that must finish before this one arrives
-    num_output: int = 0  # generated tokens so far (the sequence is prompt + these)
-    num_computed: int = 0  # tokens whose KV is written
-    admissions: int = 0
-    handle: Any = None  # the adapter's per-request state
-
-    @property
-    def output_len(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-    @property
-    def num_tokens(self) -> int:
-        """Length of the live sequence (prompt + generated so far)."""
-        return self.prompt_len + self.num_output
-
-    @property
-    def live_tokens(self) -> np.ndarray:
-        return self.tokens[: self.num_tokens]  # int32 [num_tokens]
-
-    def fresh(self) -> SimRequest:
-        """A copy with no progress (each replay starts from these)."""
-        return SimRequest(self.rid, self.tokens, self.prompt_len, self.after)
+__all__ = ["CacheAdapter", "SimConfig", "SimResult", "simulate"]
 
 
 class CacheAdapter(Protocol):
@@ -77,23 +42,23 @@ class CacheAdapter(Protocol):
 
     def new_step(self) -> None: ...
 
-    def admit(self, req: SimRequest, budget: int) -> tuple[int, int] | None:
+    def admit(self, req: TraceRequest, budget: int) -> tuple[int, int] | None:
         """Look up the cached prefix of ``req.live_tokens`` and make room for the first chunk.
 
         Returns (tokens served from the cache, chunk = min(uncached, budget)),
         or None when it does not fit (and then nothing changed)."""
         ...
 
-    def extend(self, req: SimRequest, n: int) -> bool:
+    def extend(self, req: TraceRequest, n: int) -> bool:
         """Room for `n` more tokens of a running request; False (nothing changed) when full."""
         ...
 
-    def advance(self, batch: Sequence[tuple[SimRequest, int]]) -> None:
+    def advance(self, batch: Sequence[tuple[TraceRequest, int]]) -> None:
         """After the forward pass: each request computed its chunk; a token was appended where
         ``num_computed == num_tokens - 1`` now holds (the driver already updated both)."""
         ...
 
-    def free(self, req: SimRequest, preempted: bool) -> None: ...
+    def free(self, req: TraceRequest, preempted: bool) -> None: ...
 
     def used_pages(self) -> int: ...
 
@@ -135,19 +100,19 @@ class SimResult:
 
 def simulate(
     adapter: CacheAdapter,
-    trace: Sequence[SimRequest],
+    trace: Sequence[TraceRequest],
     config: SimConfig | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> SimResult:
     """Serve every request of `trace` (fresh copies) through `adapter`; returns its counters."""
     config = config or SimConfig()
     reqs = [r.fresh() for r in trace]
-    followers: dict[int, list[SimRequest]] = {}
+    followers: dict[int, list[TraceRequest]] = {}
     for r in reqs:
         if r.after is not None:
             followers.setdefault(r.after, []).append(r)
     waiting = deque(r for r in reqs if r.after is None)
-    running: list[SimRequest] = []
+    running: list[TraceRequest] = []
     res = SimResult(adapter.name)
     done, clock, sec = 0, time.perf_counter, res.seconds
     start = clock()
@@ -180,9 +145,9 @@ def simulate(
     return res
 
 
-def _schedule_running(adapter: CacheAdapter, running: list[SimRequest], waiting: deque, budget: int,
-                      res: SimResult) -> tuple[list[tuple[SimRequest, int]], bool]:  # fmt: skip
-    batch: list[tuple[SimRequest, int]] = []
+def _schedule_running(adapter: CacheAdapter, running: list[TraceRequest], waiting: deque, budget: int,
+                      res: SimResult) -> tuple[list[tuple[TraceRequest, int]], bool]:  # fmt: skip
+    batch: list[tuple[TraceRequest, int]] = []
     preempted = False
     clock, sec = time.perf_counter, res.seconds
     i = 0
@@ -210,7 +175,7 @@ def _schedule_running(adapter: CacheAdapter, running: list[SimRequest], waiting:
     return batch, preempted
 
 
-def _admit(adapter: CacheAdapter, waiting: deque, running: list[SimRequest], batch: list, budget: int,
+def _admit(adapter: CacheAdapter, waiting: deque, running: list[TraceRequest], batch: list, budget: int,
            config: SimConfig, res: SimResult) -> None:  # fmt: skip
     clock = time.perf_counter
     while waiting and len(running) < config.max_num_seqs and budget > 0:
@@ -234,7 +199,7 @@ def _admit(adapter: CacheAdapter, waiting: deque, running: list[SimRequest], bat
         budget -= n
 
 
-def _forward(batch: list[tuple[SimRequest, int]]) -> list[SimRequest]:
+def _forward(batch: list[tuple[TraceRequest, int]]) -> list[TraceRequest]:
     """Advance every scheduled request by its chunk; returns those that generated their last token."""
     finished = []
     for req, n in batch:
