@@ -35,6 +35,7 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
     "compare": BenchCommand("pagedkv.bench.compare.run", "pagedkv vs vLLM and SGLang cache managers and the Belady bound, on five workloads over a capacity sweep"),
     "soak": BenchCommand("pagedkv.bench.soak", "engine soak over every tier: RSS, leaks, tokens"),
     "faults": BenchCommand("pagedkv.bench.faults", "Redis killed, disk full, corrupt / truncated pages, slow Redis while engines serve"),
+    "step-calls": BenchCommand("pagedkv.bench.step_calls", "pagedkv calls per layer per decode step of a tiny Llama (one-pass check)"),
 }  # fmt: skip
 
 _FORMAT = argparse.ArgumentDefaultsHelpFormatter  # every flag's help ends with its default

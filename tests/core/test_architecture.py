@@ -191,14 +191,8 @@ def test_no_import_circles_but_the_seed_apis_one() -> None:
     """Modules that import each other, directly or through others: only `KVCacheParams.allocate_buffers`
     (MAX's API puts buffer allocation on the params), which reaches up to the runtime buffers."""
     allowed = ["pagedkv.multi_params", "pagedkv.params", "pagedkv.runtime.buffers"]
-    circles = [c for c in _circles(_import_graph()) if c not in _BEING_BROKEN]
+    circles = _circles(_import_graph())
     assert all(set(c) <= set(allowed) for c in circles), f"import circles: {circles}"
-
-
-_BEING_BROKEN = [  # (transitional: the hf forward context and the fault bench's child module break these)
-    ["pagedkv.hf.attention", "pagedkv.hf.encoder_decoder", "pagedkv.hf.mla"],
-    ["pagedkv.bench.faults", "pagedkv.bench.faults_cases"],
-]
 
 
 def test_the_circle_checker_finds_circles() -> None:

@@ -16,6 +16,7 @@ position computations and host-to-device copies of the step's tables.
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import sys
 from collections import Counter
@@ -26,8 +27,9 @@ from typing import Any
 import torch
 
 import pagedkv
+from pagedkv.bench import report
 
-__all__ = ["FAMILIES", "count_step_calls", "step_call_counts", "main"]
+__all__ = ["FAMILIES", "add_arguments", "command", "count_step_calls", "format_step_calls", "step_call_counts"]
 
 _ROOT = str(Path(pagedkv.__file__).resolve().parent)
 _GENERATOR_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
@@ -119,18 +121,31 @@ def count_step_calls(
             "families": families}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Print per-layer-per-step call counts of pagedkv functions in a decode step (most called first)."""
-    layers = int(argv[0]) if argv else 4
-    result = count_step_calls(num_layers=layers)
-    print(f"pagedkv calls per layer per decode step ({result['num_layers']} layers, {result['steps']} steps)")
-    for family, n in result["families"].items():
-        print(f"  {family:<28} {n:8.3f}")
-    print()
+def format_step_calls(result: dict[str, Any]) -> str:
+    """The families table, then every function, most called first (calls per layer per decode step)."""
+    lines = [f"pagedkv calls per layer per decode step ({result['num_layers']} layers, {result['steps']} steps)", ""]
+    lines += report.table(["family", "calls / layer / step"], [(f, f"{n:.3f}") for f, n in result["families"].items()])
     rows = sorted(result["per_layer_step"].items(), key=lambda kv: (-kv[1], kv[0]))
-    for name, n in rows:
-        print(f"  {n:8.3f}  {name}")
+    lines += ["", *report.table(["function", "calls / layer / step"], [(name, f"{n:.3f}") for name, n in rows])]
+    return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    main(sys.argv[1:])
+def plots(result: dict[str, Any]) -> list[report.Plot]:
+    """Calls per layer per step of each family (attention options, validation, positions, copies)."""
+    families = list(result["families"])
+    return [report.Plot("step_calls", "pagedkv calls per layer per decode step", "calls", families,
+                        {f"{result['num_layers']} layers": [result["families"][f] for f in families]})]  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `pagedkv bench step-calls`."""
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of the tiny Llama")
+    p.add_argument("--batch", type=int, default=3, help="requests decoding together")
+    p.add_argument("--steps", type=int, default=4, help="decode steps profiled")
+
+
+def command(args: argparse.Namespace) -> int:
+    """`pagedkv bench step-calls`: profile decode steps, print the tables, write --json / --plots."""
+    result = count_step_calls(num_layers=args.layers, batch=args.batch, steps=args.steps)
+    report.finish(args, format_step_calls(result), result, plots)
+    return 0
