@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[2] / "src" / "pagedkv"
+SRC = Path(__file__).resolve().parents[1] / "src" / "pagedkv"
 
 TORCH_FREE = [  # every bookkeeping module (all of pagedkv.core) and the description layer below it
     "pagedkv",
@@ -228,3 +229,22 @@ def test_no_class_redeclares_a_hosts_state() -> None:
             if isinstance(node, ast.ClassDef) and (names := _declares_foreign_state(node)):
                 offenders[f"{module}.{node.name}"] = names
     assert not offenders, f"classes declaring state they never set (mixins of a host): {offenders}"
+
+
+def test_the_bookkeeping_tests_pass_without_torch() -> None:
+    """tests/core mirrors src/pagedkv/core: its tests run in a process where `import torch` fails."""
+    env = {**os.environ, "PAGEDKV_WITHOUT_TORCH": "1"}
+    tests = Path(__file__).resolve().parent
+    result = subprocess.run([sys.executable, "-m", "pytest", str(tests / "core"), "-p", "no:cacheprovider"],
+                            capture_output=True, text=True, env=env, cwd=tests.parent)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout and " skipped" not in result.stdout
+
+
+def test_tests_mirror_the_source_tree() -> None:
+    """Each test folder is named after the package (or top-level module group) it tests."""
+    tests = Path(__file__).resolve().parent
+    packages = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    cross_cutting = {"hardening", "peers"}  # whole-stack fuzzing and hostile input; the real peers' classes
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    assert folders - packages <= cross_cutting, f"test folders with no source package: {folders - packages}"
