@@ -257,7 +257,8 @@ def _damaged(raw: bytes, donor: bytes | None, kind: str, picks: list[int], row_b
 def check_request_kv(mgr: Any, ctx: Any, replica_idx: int = 0) -> int:
     """Every processed position of claimed `ctx` holds its own prefix's KV in every TP shard (K =
     prefix_values, V = K + 1, on every layer and head, as `PrefixStampModel` writes them). Returns the
-    number of positions checked."""
+    number of positions checked. Pages a tier load staged at `alloc` are skipped: their copies run at
+    the next forward (`runtime_inputs`), whose `PrefixStampModel` check reads them."""
     cached = ctx.tokens.processed_length
     if not cached:
         return 0
@@ -265,8 +266,15 @@ def check_request_kv(mgr: Any, ctx: Any, replica_idx: int = 0) -> int:
     table = np.asarray(mgr.get_req_blocks(ctx.request_id, replica_idx), dtype=np.int64)
     pos = np.arange(cached)
     assert len(table) * ps >= cached, f"{ctx.request_id!r}: {len(table)} pages for {cached} processed tokens"
+    connectors = mgr.tiers.connectors if hasattr(mgr, "tiers") else []
+    staged = connectors[replica_idx].staged.pages if connectors else frozenset()
+    if staged:
+        pos = pos[~np.isin(table[pos // ps], sorted(staged))]
+    cached = len(pos)
+    if not cached:
+        return 0
     pages, slots = table[pos // ps], pos % ps
-    want = prefix_values(ctx.tokens.all[:cached]).astype(np.float32)
+    want = prefix_values(ctx.tokens.all[: int(pos[-1]) + 1]).astype(np.float32)[pos]
     import torch
 
     idx_p, idx_s = torch.from_numpy(pages), torch.from_numpy(slots)
@@ -276,7 +284,7 @@ def check_request_kv(mgr: Any, ctx: Any, replica_idx: int = 0) -> int:
         got = values[idx_p, 0, :, idx_s]  # [cached, L, H, D]
         bad = (got != want_t.expand_as(got)).reshape(cached, -1).any(1).nonzero().flatten().tolist()
         assert not bad, (
-            f"request {ctx.request_id!r}, shard {shard}: positions {bad[:8]} (pages "
+            f"request {ctx.request_id!r}, shard {shard}: positions {[int(pos[b]) for b in bad[:8]]} (pages "
             f"{sorted({int(pages[b]) for b in bad})[:8]}) do not hold their prefix's K"
         )
         if values.shape[1] == 2:

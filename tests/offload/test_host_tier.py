@@ -66,6 +66,7 @@ def test_round_trip_is_bit_exact(layout: str) -> None:
     conn.wait_for_offloads()
     scramble(mgr, 2)
     assert conn.load([7, 8, 9], keys("a", "b", "c")) == 3
+    assert conn.complete_loads() == 3  # `load` only staged the copies
     assert pages(mgr, [7, 8, 9]) == before
     assert conn.load([5, 6], keys("a", "x")) == 1 and conn.load([5], keys("x")) == 0
     stats = mgr.tier_stats()["host"]

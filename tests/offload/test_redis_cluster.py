@@ -55,6 +55,7 @@ def test_round_trip_is_bit_exact_spread_over_nodes_and_reset_everywhere(
     conn.flush()
     scramble(mgr, 2)
     assert conn.load(list(range(10)), keys(*NAMES)) == 10
+    assert conn.complete_loads() == 10  # `load` only staged the copies
     assert pages(mgr, list(range(10))) == before
     assert conn.load([5, 6], keys("a", "x")) == 1
     stats = mgr.tier_stats()["redis"]

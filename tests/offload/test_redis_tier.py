@@ -100,6 +100,7 @@ def test_round_trip_is_bit_exact(redis_server: RedisServer, layout: str) -> None
     conn.flush()
     scramble(mgr, 2)
     assert conn.load([7, 8, 9], keys("a", "b", "c")) == 3
+    assert conn.complete_loads() == 3  # `load` only staged the copies
     assert pages(mgr, [7, 8, 9]) == before
     assert conn.load([5, 6], keys("a", "x")) == 1 and conn.load([5], keys("x")) == 0
     stats = mgr.tier_stats()["redis"]
@@ -125,7 +126,7 @@ def test_host_tier_in_front_promotes_redis_hits(redis_server: RedisServer) -> No
     conn.flush()
     conn.host.index.clear()  # host forgets: the pages must come from Redis
     scramble(mgr, 2)
-    assert conn.load([7, 8], keys("a", "b")) == 2 and pages(mgr, [7, 8]) == before
+    assert conn.load([7, 8], keys("a", "b")) == 2 and conn.complete_loads() == 2 and pages(mgr, [7, 8]) == before
     assert conn.load([5, 6], keys("a", "b")) == 2  # now host hits
     redis, host = mgr.tier_stats()["redis"], mgr.tier_stats()["host"]
     assert (redis["pages_stored"], redis["pages_loaded"], redis["lookups"]) == (2, 2, 2)

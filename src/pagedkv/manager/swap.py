@@ -23,7 +23,7 @@ from pagedkv.manager.hybrid import ReplicaBookkeeping
 from pagedkv.manager.tiering import Tiering
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pagedkv.offload.swap import SwapSpace
+    from pagedkv.offload.swap_space import SwapSpace
 
 __all__ = ["SwappedRequests"]
 

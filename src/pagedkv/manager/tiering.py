@@ -2,9 +2,15 @@
 
 It hooks each replica's `BlockManager` (`hooks.loader` = the connector's
 `load`, `hooks.offloads` = the runs `step` commits) and calls the connector
-at the points of MAX's per-step order: `before_forward` (wait for loads,
+at the points of the per-step order of Modular MAX's KV connector:
+`before_forward` (run the device copies `load` staged during `alloc`, then
 start offloads) from `runtime_inputs`, `before_step` (wait for offloads)
 and `after_step` (publish events) around `step`.
+
+`alloc` does no tensor work: a page found below is committed as a hit at
+once, but its bytes reach the device page only at `complete_loads`, which
+every reader of device pages here runs first (`before_forward`, `sync`,
+`close`, `reset`, offload pushes, and the connector's swap and `flush`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, KVEventBatch, KVEventQueue
+from pagedkv.core.hashing import BlockHash
 from pagedkv.core.memory import compute_num_host_blocks
 from pagedkv.manager.hybrid import ReplicaBookkeeping
 from pagedkv.multi_params import KVCacheParamInterface
@@ -51,11 +58,12 @@ class Tiering:
 
         for bm, buffer, queue in zip(managers, buffers, self.queues, strict=True):
             connector = create_connector(params, buffer, host_pages, emit=queue.emit)
-            bm.hooks.loader = connector.load
+            bm.hooks.loader = connector.load  # stages only; `complete_loads` copies
             bm.hooks.offloads = []
+            connector.on_failed_loads = self._forget_unloaded(bm)
             self.connectors.append(connector)
         if host_pages:
-            from pagedkv.offload.swap import SwapSpace
+            from pagedkv.offload.swap_space import SwapSpace
 
             self.swap_spaces = [SwapSpace(c) for c in self.connectors]
 
@@ -66,18 +74,46 @@ class Tiering:
 
     # ----------------------------------------------------------------- per-step calls
     def before_forward(self) -> None:
-        """Loads are in place; pages committed since the last call start moving down the tiers."""
-        for connector in self.connectors:
-            connector.wait_for_loads()
+        """Pages `alloc` loaded are in their device pages; pages committed since the last call start
+        moving down the tiers. Raises `LoadCopyError` if a device copy failed (see `complete_loads`)."""
+        self.complete_loads()
         self._push()
 
+    def complete_loads(self) -> None:
+        """Run every replica's staged loads (`KVConnector.complete_loads`): after this, every page `alloc`
+        took from a tier holds its bytes. Call before reading device pages outside `runtime_inputs`.
+
+        A failed copy raises `LoadCopyError` after its pages left the device prefix cache (no later
+        request hits them); the requests holding them must be released and recomputed.
+        """
+        for connector in self.connectors:
+            connector.complete_loads()
+
+    def _forget_unloaded(self, bm: ReplicaBookkeeping) -> Callable[[list[int], list[BlockHash]], None]:
+        """The connector's `on_failed_loads` for `bm`: pages whose copy failed lose their hash, unless
+        the page no longer caches that hash (evicted, or merged into another copy, since the load)."""
+
+        def forget(pages: list[int], hashes: list[BlockHash]) -> None:
+            pool = bm.pool
+            for page, block_hash in zip(pages, hashes, strict=True):
+                if pool.cached_page(block_hash) != page:
+                    continue
+                if pool.ref_count(page):
+                    pool.forget(page)  # held: its request's table now fails `check_integrity` until released
+                else:
+                    pool.free(pool.take([page]))  # free and cached: back to the fresh pages, unhashed
+
+        return forget
+
     def sync(self) -> None:
-        """Push every queued page down and wait until every tier has written it."""
+        """Run staged loads, push every queued page down and wait until every tier has written it."""
+        self.complete_loads()
         self._push()
         for connector in self.connectors:
             connector.flush()
 
     def _push(self) -> None:
+        """Start offloading the runs `step` committed (staged loads must have run: pages are read)."""
         for bm, connector in zip(self.managers, self.connectors, strict=False):
             runs, bm.hooks.offloads = bm.hooks.offloads or [], []
             for parent, hashes in runs:
@@ -91,8 +127,10 @@ class Tiering:
                     connector.offload(pages, hashes[: len(pages)], parent)
 
     def before_step(self) -> None:
-        """Offloads have read their device pages, so `alloc` may evict them again."""
+        """Offloads have read their device pages, so `alloc` may evict them again; loads staged
+        without a forward since (a request released before it) have run, so no host row stays pinned."""
         for connector in self.connectors:
+            connector.complete_loads()
             connector.wait_for_offloads()
 
     def after_step(self) -> None:
@@ -130,9 +168,9 @@ class Tiering:
 
     # ----------------------------------------------------------------- maintenance
     def reset(self) -> None:
-        """Forget every tier's pages; tell listeners when nothing at all stays cached."""
+        """Forget every tier's pages (staged loads run first); tell listeners when nothing stays cached."""
         for connector in self.connectors:
-            connector.reset_prefix_cache()
+            connector.reset_prefix_cache()  # (`flush` runs staged loads before the host rows are cleared)
         for bm, queue in zip(self.managers, self.queues, strict=True):
             if self.listeners and bm.pool.num_cached == 0:
                 queue.drain()  # the individual removals are subsumed
@@ -140,7 +178,7 @@ class Tiering:
         self.after_step()
 
     def close(self) -> None:
-        """Finish every transfer, stop the connectors' threads and detach them from the managers."""
+        """Run staged loads, finish every transfer, stop the connectors' threads, detach them from the managers."""
         self.sync()
         for bm, connector in zip(self.managers, self.connectors, strict=False):
             connector.shutdown()

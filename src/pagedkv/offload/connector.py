@@ -1,15 +1,16 @@
-"""`KVConnector`: one replica's tiers below the device, MAX's connector protocol (max.md §7).
+"""`KVConnector`: one replica's tiers below the device, after the KV connector of Modular's MAX.
 
     device pages ──offload──▶ host rows (LRU) ──write-through──▶ disk / Redis
                  ◀──load────             ◀──promote on a hit───
 
-Per engine step, in this order (`PagedKVCacheManager` drives it):
+Per engine step, in this order (`PagedKVCacheManager` drives it through `Tiering`):
 
-1. `load` (inside `alloc`): the longest prefix of the asked hashes found in
-   host, then the lower tiers, copied into the given device pages; returns
-   how many. Lower-tier reads are checked (header, layout, checksum) before
-   they count, so the number is final.
-2. `wait_for_loads` (start of `runtime_inputs`): device copies are done.
+1. `load` (inside `alloc`, bookkeeping only): the longest prefix of the asked hashes found in
+   host, then the lower tiers, whose reads land in host rows (or a staging buffer) checked
+   (header, layout, checksum), so the count it returns is final. No device page is touched:
+   the copies are staged (`StagedLoads`), their rows pinned.
+2. `complete_loads` (start of `runtime_inputs`, and before anything else reads or writes
+   device pages): the staged copies run, the rows are unpinned.
 3. `offload` (in `runtime_inputs`): pages `step` committed go to host rows
    on a transfer thread while the model runs, then to the lower tiers.
 4. `wait_for_offloads` (start of `step`): device pages are no longer read,
@@ -29,10 +30,11 @@ from pagedkv.core.hashing import BlockHash
 from pagedkv.core.tier_stats import TierStats
 from pagedkv.offload.format import key_bytes
 from pagedkv.offload.host import HostTier
+from pagedkv.offload.staged_loads import FailedLoads, LoadCopyError, StagedCopy, StagedLoads
 from pagedkv.offload.tier import LowerTier
 from pagedkv.offload.transfer import PageMover
 
-__all__ = ["KVConnector"]
+__all__ = ["KVConnector", "LoadCopyError"]
 
 
 class KVConnector:
@@ -58,6 +60,9 @@ class KVConnector:
         self._emit = emit
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-offload")
         self._pending: list[Future[None]] = []
+        # copies `load` promised, not run yet (`len`, `.pages`); unpin is called with host rows only
+        self.staged = StagedLoads(lambda rows: self.host.index.unpin(rows))  # type: ignore[union-attr]
+        self.on_failed_loads: FailedLoads | None = None  # told before `complete_loads` raises LoadCopyError
 
     # ----------------------------------------------------------------- counters
     @property
@@ -88,15 +93,19 @@ class KVConnector:
 
     # ----------------------------------------------------------------- load
     def load(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> int:
-        """Fill `block_ids[i]` with page `hashes[i]` for the longest prefix the tiers hold; returns
-        its length. Never raises for a tier failure (that page and the rest count as misses); raises
+        """Stage page `hashes[i]` for device page `block_ids[i]` over the longest prefix the tiers hold;
+        returns its length (the `BlockHooks.loader` contract: those pages will be filled).
+
+        No device page is read or written: host rows found are pinned, lower-tier pages are fetched
+        and checked into (pinned) host rows or a staging buffer, and one copy per page is staged;
+        `complete_loads` runs them. Waits for offloads in flight (their host rows are then complete).
+        Never raises for a tier failure (that page and the rest count as misses); raises
         ValueError / TypeError, changing nothing, for mismatched lengths, bad page ids or hashes."""
         self._check_pages(block_ids, hashes)
         keys = [key_bytes(h) for h in hashes]
         if not keys:
             return 0
-        self.wait_for_offloads()  # a page offloaded this step must be in its row before it is read
-        start = time.perf_counter()
+        self.wait_for_offloads()  # a page offloaded this step is in its row and the lower tiers' queues
         slots = self._host_hits(keys)  # >= 0: host rows; < 0: row -1 - s of `staging`
         staging: torch.Tensor | None = None
         for tier in self.lower:
@@ -123,10 +132,9 @@ class KVConnector:
                 slots.extend(reserved[:got])
             if got < len(rest):  # a miss or a refused page ends the prefix
                 break
-        if slots:
-            self._copy_in(block_ids[: len(slots)], slots, staging)
-            if self.host is not None:
-                self.host.stats.observe("load", time.perf_counter() - start)
+        for bid, block_hash, s in zip(block_ids, hashes, slots, strict=False):  # one staged copy per page found
+            row, source = (s, None) if s >= 0 else (-1 - s, staging)
+            self.staged.add(StagedCopy(bid, row, source, block_hash))
         return len(slots)
 
     def _check_pages(self, block_ids: Sequence[int], hashes: Sequence[BlockHash], parent: object = None) -> None:
@@ -194,29 +202,40 @@ class KVConnector:
             host.stats.add(pages_stored=got, bytes_stored=got * self.mover.row_bytes)
             self._event(BlockStored(list(keys[:got]), None, [], self.page_size, host.medium))
 
-    def _copy_in(self, block_ids: Sequence[int], slots: list[int], staging: torch.Tensor | None) -> None:
-        pairs = list(zip(block_ids, slots, strict=True))
-        host_pairs = [(b, s) for b, s in pairs if s >= 0]
-        if host_pairs:
-            assert self.host is not None
-            self.mover.from_rows(self.host.buffer, [s for _, s in host_pairs], [b for b, _ in host_pairs])
-        staged = [(b, -1 - s) for b, s in pairs if s < 0]
-        if staged:
-            assert staging is not None
-            self.mover.from_rows(staging, [s for _, s in staged], [b for b, _ in staged])
-        self.mover.sync()
-        if host_pairs:
-            self.host.index.unpin([s for _, s in host_pairs])  # type: ignore[union-attr]
+    def complete_loads(self) -> int:
+        """Run every staged load's device copy, then unpin its host row; returns how many pages.
+
+        Call before anything reads or writes device pages after an `alloc`: the forward
+        (`Tiering.before_forward`), swap, offloads, `flush`. Waits for offloads in flight first
+        (rows they write are complete, device pages they read are read). If a copy fails, every
+        staged row is still unpinned, `on_failed_loads(pages, hashes)` is told, and
+        `LoadCopyError` is raised: those pages hold no valid KV.
+        """
+        if not len(self.staged):
+            return 0
+        self.wait_for_offloads()
+        start = time.perf_counter()
+        try:
+            done = self.staged.complete(self.mover, self.host.buffer if self.host is not None else None)
+        except LoadCopyError as exc:
+            if self.on_failed_loads is not None:
+                self.on_failed_loads(exc.pages, exc.hashes)
+            raise
+        if self.host is not None:
+            self.host.stats.observe("load", time.perf_counter() - start)
+        return done
 
     # ----------------------------------------------------------------- offload
     def offload(self, block_ids: Sequence[int], hashes: Sequence[BlockHash], parent: BlockHash | None = None) -> None:
         """Copy these committed device pages into the tiers, in the background (`wait_for_offloads`).
         Pages the host tier has no free row for go straight to the lower tiers through a staging buffer.
-        Raises ValueError / TypeError, changing nothing, for mismatched lengths, bad page ids or hashes."""
+        Raises ValueError / TypeError, changing nothing, for mismatched lengths, bad page ids or hashes.
+        Staged loads run first (a page loaded since is read whole)."""
         self._check_pages(block_ids, hashes, parent)
         keys = [key_bytes(h) for h in hashes]
         if not keys:
             return
+        self.complete_loads()
         new_ids, new_keys, slots, evicted, staged_ids, staged_keys = [], [], [], [], [], []
         if self.host is not None:
             index = self.host.index
@@ -283,8 +302,8 @@ class KVConnector:
             tier.store(keys, views, done)
 
     def wait_for_loads(self) -> None:
-        """Device copies of `load` are done (loads copy synchronously; this orders CUDA streams)."""
-        self.mover.sync()
+        """`complete_loads` under its older name (kept for callers): every staged load is in its device page."""
+        self.complete_loads()
 
     def wait_for_offloads(self) -> None:
         """Every `offload` has read its device pages (lower-tier writes may still run)."""
@@ -293,7 +312,8 @@ class KVConnector:
             future.result()
 
     def flush(self) -> None:
-        """Wait for every transfer, lower-tier writes included."""
+        """Finish every transfer: staged loads (`complete_loads`), offloads, lower-tier writes."""
+        self.complete_loads()
         self.wait_for_offloads()
         for tier in self.lower:
             tier.wait()

@@ -93,6 +93,7 @@ class PageMover:
         self, dst: torch.Tensor, source: torch.Tensor, picked: torch.Tensor, index: torch.Tensor
     ) -> None:  # pragma: no cover - needs a GPU
         stream = self._stream(dst.device)
+        stream.wait_stream(torch.cuda.current_stream(dst.device))  # work queued on the pages is done first
         with torch.cuda.stream(stream):
             staged = source.index_select(0, picked).pin_memory()  # [n, width] contiguous, pinned
             moved = staged.to(dst.device, non_blocking=True)

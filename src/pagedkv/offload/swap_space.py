@@ -35,8 +35,10 @@ class SwapSpace:
     def swap_out(self, block_ids: Sequence[int]) -> list[int] | None:
         """Copy pages `block_ids` into lent host rows and return the rows (in order), or None (and
         no change) when the host tier cannot lend that many. Synchronous: the device pages may be
-        reused when it returns. Evicts least recently used host pages (BlockRemoved events)."""
-        self.connector.wait_for_offloads()  # rows being written by an offload are pinned anyway
+        reused when it returns. Evicts least recently used host pages (BlockRemoved events).
+        Runs the connector's staged loads first: a page loaded at this step's `alloc` is read whole."""
+        self.connector.complete_loads()  # (and waits for offloads: rows they write are pinned anyway)
+        self.connector.wait_for_offloads()
         lent = self.host.index.lend(len(block_ids))
         if lent is None:
             return None
@@ -51,9 +53,12 @@ class SwapSpace:
         return slots
 
     def swap_in(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
-        """Copy rows `slots` into device pages `block_ids` (same length), then give the rows back."""
+        """Copy rows `slots` into device pages `block_ids` (same length), then give the rows back.
+        Runs the connector's staged loads first, so none of them lands later on a page swapped in now
+        (a page loaded at `alloc`, released, evicted and handed to this request)."""
         if len(slots) != len(block_ids):
             raise ValueError(f"slots has {len(slots)} rows but block_ids has {len(block_ids)} pages")
+        self.connector.complete_loads()
         start = time.perf_counter()
         if slots:
             self.mover.from_rows(self.host.buffer, list(slots), list(block_ids))
