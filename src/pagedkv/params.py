@@ -31,6 +31,7 @@ from pagedkv.params_checks import (
     validate_attention_kind,
     validate_partial_page_reuse,
 )
+from pagedkv.specs import AttentionSpec, attention_spec
 from pagedkv.symbols import KVCacheInputSymbols, ragged_symbols
 from pagedkv.validation import check_eviction, check_int
 
@@ -237,15 +238,21 @@ class KVCacheParams:
         return split_into_groups(self.devices, self.data_parallel_degree)
 
     @property
+    def kv_cache_spec(self) -> AttentionSpec:
+        """This cache's per-layer spec (vLLM's `kv_cache_interface`): its type is the attention kind the
+        bookkeeping serves (full, MLA, sliding window, chunked local, sinks + window, cross-attention).
+        Page bytes are per layer and per replica's whole TP group."""
+        return attention_spec(
+            block_size=self.page_size, num_kv_heads=self.n_kv_heads, head_size=self.head_dim, dtype=self.dtype,
+            is_mla=self.is_mla, sliding_window=self.sliding_window, attention_chunk_size=self.attention_chunk_size,
+            sink_tokens=self.sink_tokens, is_cross_attention=self.is_cross_attention,
+        )  # fmt: skip
+
+    @property
     def attention_kind(self) -> str:
-        """Which tokens this cache keeps: "full", "sliding", "chunked", "sink" (sinks + window) or "cross"."""
-        if self.is_cross_attention:
-            return "cross"
-        if self.attention_chunk_size is not None:
-            return "chunked"
-        if self.sliding_window is not None:
-            return "sink" if self.sink_tokens else "sliding"
-        return "full"
+        """Which tokens this cache keeps, from its spec: "full", "sliding", "chunked", "sink" (sinks + window)
+        or "cross"."""
+        return self.kv_cache_spec.kind
 
     @property
     def kv_dim(self) -> int:

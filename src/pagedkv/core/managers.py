@@ -13,7 +13,7 @@ to the pool (the table keeps the null page in its place)::
 
 from __future__ import annotations
 
-from pagedkv.interface.specs import (
+from pagedkv.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,

@@ -20,7 +20,9 @@ import torch
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.interface.bridge import params_from_kv_cache_config
 from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec, group_layer_specs
-from pagedkv.interface.specs import (
+from pagedkv.multi_params import MultiKVCacheParams
+from pagedkv.params import KVCacheParams, KVCacheQuantizationConfig
+from pagedkv.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -28,8 +30,6 @@ from pagedkv.interface.specs import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from pagedkv.multi_params import MultiKVCacheParams
-from pagedkv.params import KVCacheParams, KVCacheQuantizationConfig
 
 __all__ = ["KVLayout", "kv_layout", "kv_params_from_config", "device_ref", "SUPPORTED"]
 

@@ -18,7 +18,7 @@ from pagedkv.interface.config import (
     num_states_for,
     reshape_kv_cache,
 )
-from pagedkv.interface.specs import (
+from pagedkv.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,

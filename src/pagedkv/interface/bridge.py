@@ -14,41 +14,23 @@ from typing import Any
 
 from pagedkv.dtype import DeviceRef
 from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from pagedkv.interface.specs import (
+from pagedkv.multi_params import MultiKVCacheParams
+from pagedkv.params import KVCacheParams
+from pagedkv.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
-    MLAAttentionSpec,
-    SinkFullAttentionSpec,
-    SlidingWindowMLASpec,
-    SlidingWindowSpec,
 )
-from pagedkv.multi_params import MultiKVCacheParams
-from pagedkv.params import KVCacheParams
 
 __all__ = ["spec_from_params", "params_from_kv_cache_config", "kv_cache_config_from_params"]
 
 
 def spec_from_params(params: KVCacheParams) -> AttentionSpec:
-    """The per-layer spec of one cache (page bytes are per layer and per replica's whole TP group)."""
-    common: dict[str, Any] = dict(
-        block_size=params.page_size, num_kv_heads=params.n_kv_heads, head_size=params.head_dim, dtype=params.dtype
-    )
-    kind = params.attention_kind
-    if kind == "cross":
-        return CrossAttentionSpec(**common)
-    if kind == "chunked":
-        assert params.attention_chunk_size is not None
-        return ChunkedLocalAttentionSpec(**common, attention_chunk_size=params.attention_chunk_size)
-    if kind == "sink":
-        return SinkFullAttentionSpec(**common, sliding_window=params.sliding_window, sink_len=params.sink_tokens)
-    if kind == "sliding":
-        assert params.sliding_window is not None
-        cls = SlidingWindowMLASpec if params.is_mla else SlidingWindowSpec
-        return cls(**common, sliding_window=params.sliding_window)
-    return MLAAttentionSpec(**common) if params.is_mla else FullAttentionSpec(**common)
+    """The per-layer spec of one cache (`KVCacheParams.kv_cache_spec`; page bytes are per layer and per
+    replica's whole TP group)."""
+    return params.kv_cache_spec
 
 
 def _leaf_from_spec(spec: KVCacheSpec, num_layers: int, devices: Sequence[DeviceRef], **kwargs: Any) -> KVCacheParams:

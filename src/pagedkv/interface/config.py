@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.interface.specs import AttentionSpec, KVCacheSpec, UniformTypeKVCacheSpecs, _slot_key
+from pagedkv.specs import AttentionSpec, KVCacheSpec, UniformTypeKVCacheSpecs, _slot_key
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

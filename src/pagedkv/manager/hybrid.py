@@ -17,7 +17,6 @@ from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.managers import FullAttentionManager, MLAAttentionManager, manager_for
 from pagedkv.core.tables import BatchTables
-from pagedkv.interface.bridge import spec_from_params
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params import KVCacheParams
 from pagedkv.runtime.arena import allocate_arena_buffers
@@ -33,7 +32,7 @@ __all__ = ["ReplicaBookkeeping", "is_hybrid", "group_names", "make_block_manager
 def is_hybrid(params: KVCacheParamInterface) -> bool:
     """True when some cache keeps fewer than all tokens, or is cross-attention (its spec's manager is
     not plain full attention)."""
-    return any(type(manager_for(0, spec_from_params(leaf))) not in _FULL for leaf in params.leaves())
+    return any(type(manager_for(0, leaf.kv_cache_spec)) not in _FULL for leaf in params.leaves())
 
 
 _FULL = (FullAttentionManager, MLAAttentionManager)
@@ -69,7 +68,7 @@ def make_block_manager(params: KVCacheParamInterface, total_num_pages: int) -> R
             raise ValueError(f"{flag}=True does not support hybrid models (several KV cache groups: "
                              "sliding window, chunked, sinks or cross-attention caches)")  # fmt: skip
     group_names(params)  # validates the shape of the tree
-    groups = [manager_for(g, spec_from_params(leaf)) for g, leaf in enumerate(params.leaves())]
+    groups = [manager_for(g, leaf.kv_cache_spec) for g, leaf in enumerate(params.leaves())]
     coordinator = KVCacheCoordinator(total_num_pages, params.page_size, groups, **kwargs)
     coordinator.hasher.set_version(params.weights_version)
     return coordinator
