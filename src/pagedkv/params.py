@@ -24,16 +24,17 @@ from typing import TYPE_CHECKING, Any
 
 from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.dtype import DeviceRef, DType
-from pagedkv.params_checks import (
+from pagedkv.specs import AttentionSpec, attention_spec
+from pagedkv.symbols import KVCacheInputSymbols, ragged_symbols
+from pagedkv.validation import (
     NONFINITE_KV,
+    check_eviction,
+    check_int,
     check_weights_version,
     normalize_hash_seed,
     validate_attention_kind,
     validate_partial_page_reuse,
 )
-from pagedkv.specs import AttentionSpec, attention_spec
-from pagedkv.symbols import KVCacheInputSymbols, ragged_symbols
-from pagedkv.validation import check_eviction, check_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from pagedkv.runtime.buffers import KVCacheBuffer

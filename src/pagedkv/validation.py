@@ -1,10 +1,14 @@
-"""Argument checks shared by every layer: errors name the argument, its value and the limit."""
+"""Argument checks of the description layer, shared by every layer above: errors name the argument, its
+value and the limit. Each layer above has its own `checks` module for its own entry points."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["EVICTION_POLICIES", "INT32_MAX", "INT64_MAX", "check_eviction", "check_int"]
+__all__ = [
+    "EVICTION_POLICIES", "INT32_MAX", "INT64_MAX", "NONFINITE_KV", "check_eviction", "check_int",
+    "check_weights_version", "normalize_hash_seed", "validate_attention_kind", "validate_partial_page_reuse",
+]  # fmt: skip
 
 EVICTION_POLICIES = ("lru", "slru", "lfu", "arc")
 
@@ -34,3 +38,66 @@ def check_eviction(eviction_policy: Any, protected_fraction: Any, leaves_first: 
         raise TypeError(f"protected_fraction={protected_fraction!r} must be a float")
     if not 0.0 <= protected_fraction <= 1.0:
         raise ValueError(f"protected_fraction={protected_fraction} must be in [0, 1]")
+
+
+NONFINITE_KV = ("pass", "reject")
+
+
+def check_weights_version(version: object, name: str = "weights_version") -> None:
+    """None or a non-empty str of at most 1024 characters."""
+    if version is None:
+        return
+    if not isinstance(version, str):
+        raise TypeError(f"{name}={version!r} must be a str or None")
+    if not version or len(version) > 1024:
+        raise ValueError(f"{name} has {len(version)} characters; it must have 1 to 1024")
+
+
+def normalize_hash_seed(seed: bytes | str | None, resolve_default: bool = False) -> bytes | None:
+    """A 32-byte seed from bytes or 64 hex characters; None stays None, or with `resolve_default`
+    becomes the deployment's seed (`pagedkv.deployment_seed`)."""
+    if seed is None:
+        if not resolve_default:
+            return None
+        from pagedkv.deployment_seed import deployment_seed
+
+        return deployment_seed()
+    if isinstance(seed, str):
+        try:
+            seed = bytes.fromhex(seed)
+        except ValueError:
+            raise ValueError(f"kv_hash_seed={seed!r} is not hex") from None
+    if not isinstance(seed, bytes | bytearray):
+        raise TypeError(f"kv_hash_seed={seed!r} must be bytes, a hex str or None")
+    if len(seed) != 32:
+        raise ValueError(f"kv_hash_seed has {len(seed)} bytes; it must have exactly 32")
+    return bytes(seed)
+
+
+def validate_attention_kind(params: Any) -> None:
+    """Window, chunk, sinks and cross-attention: valid values, and only combinations that exist."""
+    for name in ("sliding_window", "attention_chunk_size"):
+        if getattr(params, name) is not None:
+            check_int(name, getattr(params, name), 1)
+    check_int("sink_tokens", params.sink_tokens, 0)
+    if not isinstance(params.is_cross_attention, bool):
+        raise TypeError(f"is_cross_attention={params.is_cross_attention!r} must be a bool")
+    if params.sliding_window is not None and params.attention_chunk_size is not None:
+        raise ValueError("sliding_window and attention_chunk_size cannot both be set")
+    if params.sink_tokens and params.sliding_window is None:
+        raise ValueError(f"sink_tokens={params.sink_tokens} needs a sliding_window (full attention keeps every token)")
+    if params.is_cross_attention and (params.sliding_window or params.attention_chunk_size or params.sink_tokens):
+        raise ValueError("is_cross_attention=True takes no sliding_window, attention_chunk_size or sink_tokens")
+
+
+def validate_partial_page_reuse(params: Any) -> None:
+    """`enable_partial_page_reuse` needs prefix caching, and no tier below the device (not supported)."""
+    if not params.enable_partial_page_reuse:
+        return
+    if not params.enable_prefix_caching:
+        raise ValueError("enable_partial_page_reuse=True requires enable_prefix_caching=True")
+    connector = params.kv_connector
+    if connector is not None and connector.value != "null":
+        raise ValueError(
+            f"enable_partial_page_reuse=True does not support kv_connector={connector.value} (tiers below the device)"
+        )

@@ -16,7 +16,7 @@ from pagedkv.deployment_seed import deployment_seed
 def reference_sha256_chain(
     tokens: list[int], page: int, seed: bytes | None = None, salt: str | None = None
 ) -> list[bytes]:
-    """max.md section 6.2, written from its text: d_i = SHA256(SHA256(int32_le(page_i)) || d_{i-1});
+    """MAX's prefix-cache hash chain, written from its documentation: d_i = SHA256(SHA256(int32_le(page_i)) || d_{i-1});
     the seed is the deployment's (hash_tokens' default) unless given."""
     seed = seed or deployment_seed()
     parent = seed

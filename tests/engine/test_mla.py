@@ -1,6 +1,6 @@
 """DeepSeek V2/V3 (MLA) on the engine: the pages hold the latent, outputs equal transformers' greedy generate().
 
-Tiny models as in lab_hf.md §2 on top of `hf_models.COMMON` (4 heads, kv_lora_rank 32,
+Tiny models (transformers configs with random weights) on top of `hf_models.COMMON` (4 heads, kv_lora_rank 32,
 rope 8, nope 16, v 16; V3 adds a q-LoRA of rank 32). The engine caches one
 ``kv_lora_rank + qk_rope_head_dim`` latent per token and layer (`pagedkv.hf.mla`);
 transformers' own eager attention with its DynamicCache is the reference.

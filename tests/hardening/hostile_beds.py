@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 7), beds: the ops, engine and tier setups and the composite manager setups.
+"""Hostile inputs, beds: the ops, engine and tier setups and the composite manager setups.
 
 Each returns a `Case.setup` (or is one): fresh objects, a `Trial` of the bad call and the state it must
 leave as it was. The row types and the core builders are in `hostile_support`.

@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 7): every public entry point, each class of bad input, and what it gets.
+"""Hostile inputs: every public entry point, each class of bad input, and what it gets.
 
 `CASES` is the table, one `Case` per (entry point, input class). A case's `setup()` builds fresh
 objects and returns a `Trial`: the bad call, and a function returning everything observable that the

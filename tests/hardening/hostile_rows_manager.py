@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 7), rows: the manager, its methods, the contexts, BlockManager and hashing.
+"""Hostile inputs, rows: the manager, its methods, the contexts, BlockManager and hashing.
 
 Part of `hostile_cases.CASES`, which concatenates the row modules in order. Each row is a `Case`: entry
 point, input class, example, setup, expected error type and a fragment of its message.

@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 7), rows: the ops, the engine, the connector and the tiers.
+"""Hostile inputs, rows: the ops, the engine, the connector and the tiers.
 
 Part of `hostile_cases.CASES`, which concatenates the row modules in order. Each row is a `Case`: entry
 point, input class, example, setup, expected error type and a fragment of its message.

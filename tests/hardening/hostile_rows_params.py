@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 7), rows: the params, the connector config and the buffers.
+"""Hostile inputs, rows: the params, the connector config and the buffers.
 
 Part of `hostile_cases.CASES`, which concatenates the row modules in order. Each row is a `Case`: entry
 point, input class, example, setup, expected error type and a fragment of its message.

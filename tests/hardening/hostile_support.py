@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 7), support: the row types, `run_case`, and the core builders.
+"""Hostile inputs, support: the row types, `run_case`, and the core builders.
 
 A `Case` is one row of `hostile_cases.CASES`; its `setup()` returns a `Trial` (the bad call, the state
 it must leave as it was, a check for inputs accepted on purpose, a close). `run_case` runs a case once

@@ -1,4 +1,4 @@
-"""Issue 7's hostile inputs: every row of `hostile_cases.CASES` gets exactly its error, and changes nothing.
+"""Hostile inputs: every row of `hostile_cases.CASES` gets exactly its error, and changes nothing.
 
 Per row: the exception type is exact (not a subclass), its message holds the expected fragment, and the
 observable state after the call equals the state before (for a manager: every replica's pool, prefix

@@ -1,5 +1,5 @@
 """Two real engine processes share prefix pages through a real redis-server, keep serving correct
-tokens while it is dead, and share again once it is back (issue 5)."""
+tokens while it is dead, and share again once it is back."""
 
 from __future__ import annotations
 

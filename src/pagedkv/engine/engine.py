@@ -31,8 +31,8 @@ from pagedkv.hf.config import kv_layout
 from pagedkv.hf.context import ATTENTION_NAME, ForwardContext
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheQuantizationConfig
-from pagedkv.params_checks import check_weights_version
 from pagedkv.runtime.inputs import MultiKVCacheInputs
+from pagedkv.validation import check_weights_version
 
 __all__ = ["LLMEngine", "EngineStats"]
 

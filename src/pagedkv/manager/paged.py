@@ -37,9 +37,9 @@ from pagedkv.manager.tiering import Tiering
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.ops.page_copy import copy_page_slots
 from pagedkv.params import KVConnectorType
-from pagedkv.params_checks import check_weights_version
 from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer
 from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs, max_lengths_table
+from pagedkv.validation import check_weights_version
 
 __all__ = ["PagedKVCacheManager"]
 
@@ -293,8 +293,13 @@ class PagedKVCacheManager:
         return self.runtime_inputs(batches, max_cache_length=max_cache_length)
 
     def get_device_buffer(self, replica_idx: int = 0) -> KVCacheBuffer | MultiKVCacheBuffer:
-        """The replica's page buffers (a tree for multi-cache models)."""
+        """The replica's page buffers (a tree for multi-cache models).
+
+        Pages `alloc` took from a tier below are filled on the tensor side, before the forward: this call
+        runs the staged copies first (as `runtime_inputs` does), so every page the tables name holds its
+        bytes when it returns. `LoadCopyError` if a copy failed (those pages left the prefix cache)."""
         self._bm(replica_idx)
+        self.tiers.complete_loads()
         return self._buffers[replica_idx]
 
     # ----------------------------------------------------------------- queries
