@@ -96,3 +96,33 @@ def test_doc_links_resolve() -> None:
             if "://" not in target and not (path.parent / target).exists():
                 missing.append(f"{path.name}: {target}")
     assert not missing, missing
+
+
+def test_every_dotted_pagedkv_name_resolves() -> None:
+    """Every ``pagedkv.x.y`` the README and docs name (a module, or an attribute of one) exists, so
+    prose cannot name a module or class that was moved or removed."""
+    code = (
+        "import importlib, json, sys\n"
+        "bad = []\n"
+        "for name in json.load(sys.stdin):\n"
+        "    parts = name.split('.')\n"
+        "    for i in range(len(parts), 0, -1):\n"
+        "        try:\n"
+        "            obj = importlib.import_module('.'.join(parts[:i]))\n"
+        "            break\n"
+        "        except ImportError:\n"
+        "            continue\n"
+        "    for attr in parts[i:]:\n"
+        "        if not hasattr(obj, attr):\n"
+        "            bad.append(name)\n"
+        "            break\n"
+        "        obj = getattr(obj, attr)\n"
+        "print(json.dumps(bad))\n"
+    )
+    names = sorted({m.group(0).rstrip(".") for p in DOC_FILES
+                    for m in re.finditer(r"\bpagedkv(\.[A-Za-z_][A-Za-z0-9_]*)+", p.read_text())})  # fmt: skip
+    assert len(names) > 10
+    result = subprocess.run([sys.executable, "-c", code], input=json.dumps(names), capture_output=True, text=True,
+                            timeout=TIMEOUT_S, cwd=ROOT)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [], f"names in the docs that do not exist: {result.stdout}"
