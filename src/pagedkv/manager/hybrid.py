@@ -20,7 +20,8 @@ from pagedkv.core.tables import BatchTables
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params import KVCacheParams
 from pagedkv.runtime.arena import allocate_arena_buffers
-from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs, max_lengths_table
+from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs
+from pagedkv.runtime.transfer import tables_to_device
 
 ReplicaBookkeeping = BlockManager | KVCacheCoordinator
 """One data-parallel replica's bookkeeping: a `BlockManager` (every cache full attention) or a
@@ -81,14 +82,6 @@ def allocate_buffers(params: KVCacheParamInterface, total_num_pages: int) -> lis
     return params.allocate_buffers(total_num_pages)
 
 
-def _device_tensors(tables: BatchTables, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from pagedkv.runtime.transfer import to_device
-
-    lut = to_device(torch.from_numpy(tables.lookup_table), device)  # [B, cols]
-    lengths = to_device(torch.from_numpy(tables.cache_lengths), device)  # [B]
-    return lut, lengths, max_lengths_table(tables.max_prompt_length, tables.max_cache_length)  # [1, 2] CPU
-
-
 def hybrid_inputs(
     params: KVCacheParamInterface, buffers: list[Any], per_replica: list[list[BatchTables]]
 ) -> KVCacheInputs:
@@ -103,7 +96,7 @@ def hybrid_inputs(
             dev = device.to_torch()
             shared: torch.Tensor | None = None
             for name, leaf, tables in zip(names, leaves, group_tables, strict=True):
-                lut, lengths, max_lengths = _device_tensors(tables, dev)
+                lut, lengths, max_lengths = tables_to_device(tables, dev)
                 if not leaf.is_cross_attention:
                     shared = lengths if shared is None else shared
                     lengths = shared

@@ -38,7 +38,8 @@ from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.ops.page_copy import copy_page_slots
 from pagedkv.params import KVConnectorType
 from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer
-from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs, max_lengths_table
+from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs
+from pagedkv.runtime.transfer import tables_to_device
 from pagedkv.validation import check_weights_version
 
 __all__ = ["PagedKVCacheManager"]
@@ -260,14 +261,8 @@ class PagedKVCacheManager:
     def _device_tables(
         self, r: int, tables: BatchTables
     ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        from pagedkv.runtime.transfer import to_device
-
-        lut = torch.from_numpy(tables.lookup_table)  # [B, cols]
-        lengths = torch.from_numpy(tables.cache_lengths)  # [B]
-        max_lengths = max_lengths_table(tables.max_prompt_length, tables.max_cache_length)  # [1, 2]
         for s, device in enumerate(self.params.devices_per_replica[r]):
-            dev = device.to_torch()
-            yield r, s, to_device(lut, dev), to_device(lengths, dev), max_lengths  # [B, cols], [B]
+            yield r, s, *tables_to_device(tables, device.to_torch())  # [B, cols], [B], [1, 2]
 
     def _assemble(self, params: KVCacheParamInterface, buffers: list[Any], per_device: list[Any]) -> KVCacheInputs:
         if isinstance(params, MultiKVCacheParams):

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["to_device"]
+from pagedkv.core.tables import BatchTables
+from pagedkv.runtime.inputs import max_lengths_table
+
+__all__ = ["tables_to_device", "to_device"]
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -22,3 +25,11 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)  # same shape as host
     return host.to(device, copy=True)  # same shape as host
+
+
+def tables_to_device(tables: BatchTables, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A replica's step tables for one device: the lookup table and cache lengths copied there
+    (`to_device`), and the ``max_lengths`` table, which stays on the CPU (it is read on the host)."""
+    lut = to_device(torch.from_numpy(tables.lookup_table), device)  # [B, cols]
+    lengths = to_device(torch.from_numpy(tables.cache_lengths), device)  # [B]
+    return lut, lengths, max_lengths_table(tables.max_prompt_length, tables.max_cache_length)  # [1, 2]
