@@ -36,7 +36,15 @@ from pagedkv.core.events import BlockHooks
 from pagedkv.core.hashing import BlockHash, PrefixHasher, check_salt
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy, Partial, make_partial_pages
-from pagedkv.core.tables import BatchTables, RequestPages, SwappedPages, build_tables, claimed_states, more_keys
+from pagedkv.core.tables import (
+    BatchTables,
+    RequestPages,
+    SwappedPages,
+    build_tables,
+    claimed_state,
+    claimed_states,
+    more_keys,
+)
 
 __all__ = ["BlockManager"]
 
@@ -262,11 +270,7 @@ class BlockManager:
         self._claimed(request_id)
 
     def _claimed(self, request_id: RequestID) -> RequestPages:
-        st = self._reqs.get(request_id)
-        if st is None:
-            raise ValueError(f"request {request_id!r} is not claimed: call claim() first")
-        if st.dummy:
-            raise ValueError(f"request {request_id!r} is a dummy (alloc_dummy); it cannot alloc or step")
+        st: RequestPages = claimed_state(self._reqs, request_id)
         return st
 
     def _plan(self, st: RequestPages, ctx: TextContext) -> tuple[list[int], int, list[BlockHash], bytes, Partial]:

@@ -47,6 +47,7 @@ from pagedkv.core.tables import (
     RequestPages,
     assemble_tables,
     check_batch,
+    claimed_state,
     claimed_states,
     more_keys,
     required_pages,
@@ -435,11 +436,7 @@ class KVCacheCoordinator:
         self._claimed(request_id)
 
     def _claimed(self, request_id: RequestID) -> HybridRequest:
-        st = self._reqs.get(request_id)
-        if st is None:
-            raise ValueError(f"request {request_id!r} is not claimed: call claim() first")
-        if st.dummy:
-            raise ValueError(f"request {request_id!r} is a dummy (alloc_dummy); it cannot alloc or step")
+        st: HybridRequest = claimed_state(self._reqs, request_id)
         return st
 
     def check_integrity(self) -> None:

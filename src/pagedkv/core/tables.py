@@ -13,7 +13,7 @@ from pagedkv.core.hashing import BlockHash, PrefixHasher
 from pagedkv.validation import INT32_MAX, check_int
 
 __all__ = ["RequestPages", "BatchTables", "SwappedPages", "assemble_tables", "build_tables", "check_batch",
-           "claimed_states", "lut_columns", "more_keys", "required_pages"]  # fmt: skip
+           "claimed_state", "claimed_states", "lut_columns", "more_keys", "required_pages"]  # fmt: skip
 
 _NO_PAGES = np.zeros(0, dtype=np.int32)
 
@@ -112,6 +112,16 @@ def claimed_states(reqs: Mapping[Hashable, Any], batch: Sequence[TextContext]) -
         return [reqs[ctx.request_id] for ctx in batch]
     except KeyError as missing:
         raise ValueError(f"request {missing.args[0]!r} is not claimed: call claim() first") from None
+
+
+def claimed_state(reqs: Mapping[Hashable, Any], request_id: Hashable) -> Any:
+    """The state of claimed, non-dummy `request_id` (what `alloc` and `step` need); ValueError otherwise."""
+    st = reqs.get(request_id)
+    if st is None:
+        raise ValueError(f"request {request_id!r} is not claimed: call claim() first")
+    if st.dummy:
+        raise ValueError(f"request {request_id!r} is a dummy (alloc_dummy); it cannot alloc or step")
+    return st
 
 
 def check_batch(reqs: Mapping[Hashable, Any], batch: Sequence[TextContext]) -> list[Any]:
