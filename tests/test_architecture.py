@@ -24,9 +24,7 @@ TORCH_FREE = [  # every bookkeeping module (all of pagedkv.core) and the descrip
     "pagedkv.specs",
     "pagedkv.connector_config",
     "pagedkv.offload.format",
-    *sorted(
-        "pagedkv.core." + p.stem for p in (SRC / "core").glob("*.py") if p.stem != "__init__"
-    ),
+    *sorted("pagedkv.core." + p.stem for p in (SRC / "core").glob("*.py") if p.stem != "__init__"),
 ]
 
 # Lower number = lower layer. A module may import only from its own layer or below.
@@ -208,7 +206,9 @@ def _declares_foreign_state(cls: ast.ClassDef) -> list[str]:
     their own fields that way and are skipped."""
     decorators = [ast.unparse(d) for d in cls.decorator_list]
     bases = [ast.unparse(b) for b in cls.bases]
-    if any("dataclass" in d for d in decorators) or any(b in ("ABC", "Protocol", "NamedTuple", "TypedDict") for b in bases):
+    if any("dataclass" in d for d in decorators) or any(
+        b in ("ABC", "Protocol", "NamedTuple", "TypedDict") for b in bases
+    ):
         return []
     declared = [s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and s.value is None
                 and isinstance(s.target, ast.Name)]  # fmt: skip

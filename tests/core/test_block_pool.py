@@ -108,7 +108,7 @@ def test_integrity_catches_corruption() -> None:
     pool = BlockPool(4)
     [p] = pool.allocate(1)
     pool.commit(p, b"k")
-    pool._cache[b"other"] = p
+    pool._caches[0][b"other"] = p
     with pytest.raises(IntegrityError, match="maps a hash to page 0, which holds another"):
         check(pool, {p: 1})
 
@@ -118,3 +118,19 @@ def test_million_page_pool() -> None:
     assert pool.allocate(3) == [0, 1, 2] and pool.num_free == 999_997
     with pytest.raises(ValueError, match="num_blocks=0 must be at least 1"):
         BlockPool(0)
+
+
+def test_uncache_drops_hashes_with_events_but_counts_no_eviction() -> None:
+    pool = BlockPool(5)
+    removed: list[tuple[bytes, int]] = []
+    pool.on_removed = lambda key, group: removed.append((key, group))
+    pages = pool.allocate(3)  # 0 1 2, all cached
+    for i, page in enumerate(pages):
+        pool.commit(page, f"h{i}".encode())
+    pool.free([2])  # page 2: free and cached (LRU); pages 0 and 1 stay held
+    assert pool.uncache([1, 2, 4]) == 2  # page 4 holds no hash: skipped
+    assert removed == [(b"h1", 0), (b"h2", 0)]
+    assert pool.block_hash(1) is None and pool.ref_count(1) == 1  # held, unhashed: no later hit
+    assert pool.lookup([b"h0", b"h1"], 0, 2) == [0]
+    assert pool.free_order() == [2, 3, 4] and pool.num_evictions == 0  # page 2 is fresh again, first out
+    check(pool, {0: 1, 1: 1})

@@ -1,4 +1,4 @@
-"""Seed 004: specs, grouping into one shared pool, and the bridge to MultiKVCacheParams."""
+"""vLLM's KV cache interface: specs, grouping into one shared pool, and the bridge to MultiKVCacheParams."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import torch
 from test_host_tier import LAYOUTS, keys, pages, scramble
 
 from helpers import ctx, make_params, serve
+from pagedkv.core.events import BlockRemoved
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.offload import DiskTier, KVConnector, PageMover
 from pagedkv.offload.format import key_bytes
@@ -184,6 +185,9 @@ def test_failed_device_copy_unpins_forgets_the_pages_and_raises(monkeypatch: pyt
     mgr.alloc(b)
     loaded = mgr.get_req_blocks("b")[:3]
     pool = mgr._managers[0].pool
+    keys = [pool.block_hash(p) for p in loaded]
+    batches: list = []
+    mgr.add_kv_event_listener(batches.append)
 
     def broken(*args: object) -> None:
         raise RuntimeError("copy engine fault")
@@ -194,6 +198,10 @@ def test_failed_device_copy_unpins_forgets_the_pages_and_raises(monkeypatch: pyt
     assert info.value.pages == loaded and isinstance(info.value.__cause__, RuntimeError)
     assert all(pool.block_hash(p) is None for p in loaded)  # no later request can hit their garbage
     assert len(conn.staged) == 0 and nothing_pinned(mgr)
+    mgr.tiers.after_step()  # listeners hear that the device no longer holds those pages
+    removed = [h for batch in batches for e in batch.events if isinstance(e, BlockRemoved) and e.medium == "GPU"
+               for h in e.block_hashes]  # fmt: skip
+    assert removed == keys
     monkeypatch.undo()
     mgr.release("b")  # its caller recomputes it
     mgr.check_integrity()

@@ -333,7 +333,9 @@ class BlockManager:
         `ValueError` and changes nothing when the pool lacks pages or the request is claimed.
         """
         if ctx.request_id in self._reqs:
-            raise ValueError(f"request {ctx.request_id!r} is claimed; only a released (swapped-out) request is restored")
+            raise ValueError(
+                f"request {ctx.request_id!r} is claimed; only a released (swapped-out) request is restored"
+            )
         pool = self.pool
         hits = pool.lookup(list(record.hashes), 0, record.committed) if self.enable_prefix_caching else []
         need = record.num_pages - len(hits)

@@ -102,7 +102,6 @@ class BlockPool:
         self._group = bytearray(n)  # the group whose prefix cache holds the page's hash
         self._reused = bytearray(n)  # 1 once a cached page was hit or merged into (SLRU's "frequent")
         self._caches: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
-        self._cache = self._caches[0]
         self._fresh = array("i")
         self._fresh.frombytes(np.arange(n - 1, -1, -1, dtype=np.int32).tobytes())
         self._lists = FreeLists(n)
@@ -188,6 +187,24 @@ class BlockPool:
         if self._ref[page] < 1 or self._hash[page] is None:
             raise ValueError(f"page {page} is not held and cached")
         self._uncache(page, announce=False)
+
+    def uncache(self, pages: Iterable[int]) -> int:
+        """Take `pages` out of the prefix cache, announcing each removal (`on_removed`): their content
+        is no longer what their hash says (a tier copy into them failed). A free one becomes fresh; a
+        held one stays held, unhashed, so no later request hits it. Not counted as evictions.
+        Returns how many were cached."""
+        where, done = self._lists.where, 0
+        for page in pages:
+            if self._hash[page] is None:
+                continue
+            if where[page] != NONE:  # free and cached
+                self._lists.unlink(page)
+                self._uncache(page)
+                self._fresh.append(page)
+            else:
+                self._uncache(page)
+            done += 1
+        return done
 
     def _uncache(self, page: int, announce: bool = True) -> None:
         for hook in self.on_uncached:

@@ -230,9 +230,7 @@ class KVCacheCoordinator:
 
     def _refresh(self, st: HybridRequest) -> None:
         tables = st.tables
-        st.ready = (
-            min([tables[g].num_pages for g in self._decoder_ids], default=FAR // self.page_size) * self.page_size
-        )
+        st.ready = min([tables[g].num_pages for g in self._decoder_ids], default=FAR // self.page_size) * self.page_size
         st.next_drop = min([g.drop_threshold(st.dropped[g.group]) for g in self._windowed], default=FAR)
 
     # ----------------------------------------------------------------- page supply

@@ -27,7 +27,15 @@ ReplicaBookkeeping = BlockManager | KVCacheCoordinator
 """One data-parallel replica's bookkeeping: a `BlockManager` (every cache full attention) or a
 `KVCacheCoordinator` (several groups); both have the same request lifecycle."""
 
-__all__ = ["ReplicaBookkeeping", "is_hybrid", "group_names", "make_block_manager", "allocate_buffers", "hybrid_inputs", "replica_tables"]
+__all__ = [
+    "ReplicaBookkeeping",
+    "is_hybrid",
+    "group_names",
+    "make_block_manager",
+    "allocate_buffers",
+    "hybrid_inputs",
+    "replica_tables",
+]
 
 
 def is_hybrid(params: KVCacheParamInterface) -> bool:

@@ -36,7 +36,11 @@ class Tiering:
     """Connectors and event queues of every replica; inert with ``kv_connector`` null and no listener."""
 
     def __init__(
-        self, params: KVCacheParamInterface, managers: Sequence[ReplicaBookkeeping], buffers: Sequence[Any], host_pages: int
+        self,
+        params: KVCacheParamInterface,
+        managers: Sequence[ReplicaBookkeeping],
+        buffers: Sequence[Any],
+        host_pages: int,
     ) -> None:
         self.managers = list(managers)
         self.queues = [KVEventQueue() for _ in managers]
@@ -86,22 +90,24 @@ class Tiering:
         A failed copy raises `LoadCopyError` after its pages left the device prefix cache (no later
         request hits them); the requests holding them must be released and recomputed.
         """
-        for connector in self.connectors:
-            connector.complete_loads()
+        failed: Exception | None = None
+        for connector in self.connectors:  # every replica's copies run (and unpin), even after a failure
+            try:
+                connector.complete_loads()
+            except Exception as error:  # noqa: BLE001 - re-raised below, after the other replicas
+                failed = failed or error
+        if failed is not None:
+            raise failed
 
     def _forget_unloaded(self, bm: ReplicaBookkeeping) -> Callable[[list[int], list[BlockHash]], None]:
-        """The connector's `on_failed_loads` for `bm`: pages whose copy failed lose their hash, unless
-        the page no longer caches that hash (evicted, or merged into another copy, since the load)."""
+        """The connector's `on_failed_loads` for `bm`: pages whose copy failed leave the prefix cache
+        (`BlockPool.uncache`, with `BlockRemoved` events), unless the page no longer caches that hash
+        (evicted, or merged into another copy, since the load). A request that holds one keeps it,
+        unhashed: its table fails `check_integrity` until the caller releases it and recomputes."""
 
         def forget(pages: list[int], hashes: list[BlockHash]) -> None:
             pool = bm.pool
-            for page, block_hash in zip(pages, hashes, strict=True):
-                if pool.cached_page(block_hash) != page:
-                    continue
-                if pool.ref_count(page):
-                    pool.forget(page)  # held: its request's table now fails `check_integrity` until released
-                else:
-                    pool.free(pool.take([page]))  # free and cached: back to the fresh pages, unhashed
+            pool.uncache([page for page, key in zip(pages, hashes, strict=True) if pool.cached_page(key) == page])
 
         return forget
 
@@ -179,10 +185,12 @@ class Tiering:
 
     def close(self) -> None:
         """Run staged loads, finish every transfer, stop the connectors' threads, detach them from the managers."""
-        self.sync()
-        for bm, connector in zip(self.managers, self.connectors, strict=False):
-            connector.shutdown()
-            bm.hooks.loader = None
-            bm.hooks.offloads = None
-        self.connectors = []
-        self.swap_spaces = []
+        try:
+            self.sync()
+        finally:  # (a failed staged copy still stops the threads and detaches the tiers)
+            for bm, connector in zip(self.managers, self.connectors, strict=False):
+                connector.shutdown()
+                bm.hooks.loader = None
+                bm.hooks.offloads = None
+            self.connectors = []
+            self.swap_spaces = []
