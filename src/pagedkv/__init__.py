@@ -16,6 +16,8 @@ _EXPORTS = {
     "DType": "pagedkv.dtype",
     "DeviceRef": "pagedkv.dtype",
     "KVCacheParams": "pagedkv.params",
+    "KVCacheParamInterface": "pagedkv.params",
+    "BatchCharacteristics": "pagedkv.params",
     "KVCacheQuantizationConfig": "pagedkv.params",
     "KVConnectorType": "pagedkv.params",
     "KVConnectorConfig": "pagedkv.connector_config",
@@ -27,6 +29,7 @@ _EXPORTS = {
     "MultiKVCacheInputSymbols": "pagedkv.symbols",
     "InsufficientBlocksError": "pagedkv.core.errors",
     "IntegrityError": "pagedkv.core.errors",
+    "MissingPagesError": "pagedkv.core.errors",
     "TextContext": "pagedkv.core.context",
     "Retention": "pagedkv.core.context",
     "TokenBuffer": "pagedkv.core.context",
@@ -74,7 +77,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from pagedkv.core.block_manager import BlockManager
     from pagedkv.core.block_pool import BlockPool
     from pagedkv.core.context import Retention, TextContext, TokenBuffer
-    from pagedkv.core.errors import InsufficientBlocksError, IntegrityError
+    from pagedkv.core.errors import InsufficientBlocksError, IntegrityError, MissingPagesError
     from pagedkv.core.hashing import hash_tokens
     from pagedkv.core.memory import (
         compute_max_seq_len_fitting_in_cache,
@@ -89,7 +92,13 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from pagedkv.manager.continuous import ContinuousBatchingKVCacheManager
     from pagedkv.manager.paged import PagedKVCacheManager
     from pagedkv.multi_params import MultiKVCacheParams
-    from pagedkv.params import KVCacheParams, KVCacheQuantizationConfig, KVConnectorType
+    from pagedkv.params import (
+        BatchCharacteristics,
+        KVCacheParamInterface,
+        KVCacheParams,
+        KVCacheQuantizationConfig,
+        KVConnectorType,
+    )
     from pagedkv.runtime.buffers import KVCacheBuffer, KVCacheMemory, MultiKVCacheBuffer, ReplicatedKVCacheMemory
     from pagedkv.runtime.inputs import (
         KVCacheInputs,

@@ -35,7 +35,7 @@ def run_manager_demo(num_requests: int = 240, seed: int = 0) -> int:
     print(f"32 decode steps each; {num_pages} pages of {params.page_size} tokens "
           f"({num_pages * params.bytes_per_block / 2**20:.0f} MiB of real CPU buffers), batch {batch}")  # fmt: skip
     t0 = time.perf_counter()
-    manager = PagedKVCacheManager(params, num_pages, max_batch_size=batch)
+    manager = PagedKVCacheManager(params, None, num_pages, max_batch_size=batch)
     build_ms = 1e3 * (time.perf_counter() - t0)
     model = PrefixStampModel(manager)
     gc.collect()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.dtype import DeviceRef
-from pagedkv.params import KVCacheParams, KVConnectorType
+from pagedkv.params import KVCacheParamInterface, KVCacheParams, KVConnectorType
 from pagedkv.symbols import MultiKVCacheInputSymbols
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -42,7 +42,7 @@ _SHARED = (
 
 
 @dataclass(frozen=True)
-class MultiKVCacheParams:
+class MultiKVCacheParams(KVCacheParamInterface):
     """A named tree of caches (`KVCacheParams` leaves, or nested trees) sharing one page table."""
 
     children: Mapping[str, KVCacheParams | MultiKVCacheParams]
@@ -196,7 +196,3 @@ class MultiKVCacheParams:
         return MultiKVCacheInputSymbols(
             {name: child.get_symbolic_inputs(f"{prefix}{name}.") for name, child in self.children.items()}
         )
-
-
-KVCacheParamInterface = KVCacheParams | MultiKVCacheParams
-"""Anything the managers accept as a cache description."""

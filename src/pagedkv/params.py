@@ -27,6 +27,7 @@ from pagedkv.dtype import DeviceRef, DType
 from pagedkv.specs import AttentionSpec, attention_spec
 from pagedkv.symbols import KVCacheInputSymbols, ragged_symbols
 from pagedkv.validation import (
+    INT32_MAX,
     NONFINITE_KV,
     check_eviction,
     check_int,
@@ -41,6 +42,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "HASH_ALGOS",
+    "BatchCharacteristics",
+    "KVCacheParamInterface",
     "KVCacheParams",
     "KVCacheQuantizationConfig",
     "KVConnectorType",
@@ -80,8 +83,94 @@ def split_into_groups(items: Sequence[Any], n: int) -> list[list[Any]]:
     return [list(items[i * size : (i + 1) * size]) for i in range(n)]
 
 
+class KVCacheParamInterface:
+    """Base class of every cache description the managers accept (MAX's `KVCacheParamInterface`):
+    `KVCacheParams` (one cache) and `pagedkv.multi_params.MultiKVCacheParams` (a tree of caches
+    sharing one page table). It holds no state; the surface below is what both provide.
+    """
+
+    __slots__ = ()
+
+    if TYPE_CHECKING:  # declared for type checkers only: the subclasses define these as fields or properties
+
+        @property
+        def page_size(self) -> int: ...
+        @property
+        def data_parallel_degree(self) -> int: ...
+        @property
+        def devices(self) -> Sequence[DeviceRef]: ...
+        @property
+        def n_devices(self) -> int: ...
+        @property
+        def tensor_parallel_degree(self) -> int: ...
+        @property
+        def devices_per_replica(self) -> list[list[DeviceRef]]: ...
+        @property
+        def enable_prefix_caching(self) -> bool: ...
+        @property
+        def kv_connector(self) -> KVConnectorType | None: ...
+        @property
+        def kv_connector_config(self) -> Any: ...
+        @property
+        def host_kvcache_swap_space_gb(self) -> float | None: ...
+        @property
+        def num_eagle_speculative_tokens(self) -> int: ...
+        @property
+        def kv_hash_algo(self) -> str: ...
+        @property
+        def kv_hash_seed(self) -> bytes | None: ...
+        @property
+        def eviction_policy(self) -> str: ...
+        @property
+        def protected_fraction(self) -> float: ...
+        @property
+        def evict_leaves_first(self) -> bool: ...
+        @property
+        def weights_version(self) -> str | None: ...
+        @property
+        def commit_on_alloc(self) -> bool: ...
+        @property
+        def enable_partial_page_reuse(self) -> bool: ...
+        @property
+        def bytes_per_block(self) -> int: ...
+        @property
+        def bytes_per_token(self) -> int: ...
+        def leaves(self) -> list[KVCacheParams]: ...
+        def copy_as_dp_1(self, replica_idx: int = 0) -> KVCacheParamInterface: ...
+        def allocate_buffers(self, total_num_pages: int) -> list[Any]: ...
+        def get_symbolic_inputs(self, prefix: str = "") -> Any: ...
+
+
 @dataclass(frozen=True)
-class KVCacheParams:
+class BatchCharacteristics:
+    """Upper-bound batch shape for `PagedKVCacheManager.runtime_inputs` (MAX's `BatchCharacteristics`).
+
+    Every replica's inputs are prepared for these bounds (graph-capture replay, where every
+    data-parallel replica runs the identical captured graph); a replica's real values must not
+    exceed them (ValueError naming the field). Hashable.
+
+    Attributes:
+        batch_size: upper bound on the requests of one replica's batch (>= 1).
+        max_prompt_length: upper bound on the longest active window (tokens run this step, >= 1).
+        max_cache_valid_length: upper bound on the longest ``cached + active`` length (>= 1).
+    """
+
+    batch_size: int
+    max_prompt_length: int
+    max_cache_valid_length: int
+
+    def __post_init__(self) -> None:
+        check_int("batch_size", self.batch_size, 1, INT32_MAX)
+        check_int("max_prompt_length", self.max_prompt_length, 1, INT32_MAX)
+        check_int("max_cache_valid_length", self.max_cache_valid_length, 1, INT32_MAX)
+        if self.max_prompt_length > self.max_cache_valid_length:
+            raise ValueError(
+                f"max_prompt_length={self.max_prompt_length} exceeds max_cache_valid_length={self.max_cache_valid_length}"
+            )
+
+
+@dataclass(frozen=True)
+class KVCacheParams(KVCacheParamInterface):
     """Configuration of one KV cache (MAX's `KVCacheParams`).
 
     Raises ValueError/TypeError at construction for anything the cache cannot
@@ -278,8 +367,8 @@ class KVCacheParams:
 
     @property
     def dtype_shorthand(self) -> str:
-        """Short name of the storage dtype: "bf16", "f32", "f16", "f8e4m3fn", ..."""
-        return _SHORTHAND.get(self.dtype, self.dtype.name)
+        """ "bf16" for bfloat16, "f32" otherwise (MAX's definition, seed 000, kept exactly)."""
+        return "bf16" if self.dtype == DType.bfloat16 else "f32"
 
     @property
     def shape_per_block(self) -> list[int]:
@@ -338,12 +427,3 @@ class KVCacheParams:
     def get_symbolic_inputs(self, prefix: str = "") -> KVCacheInputSymbols:
         """Symbolic per-device inputs, replica-major, in the order of `runtime_inputs`."""
         return ragged_symbols(self, prefix)
-
-
-_SHORTHAND = {
-    DType.bfloat16: "bf16",
-    DType.float32: "f32",
-    DType.float16: "f16",
-    DType.float8_e4m3fn: "f8e4m3fn",
-    DType.float8_e4m3fnuz: "f8e4m3fnuz",
-}

@@ -4,7 +4,8 @@ A spec says what one layer stores per token and how many tokens it keeps:
 full attention keeps every token; a sliding window keeps the last W; chunked
 local attention keeps the current chunk; cross-attention keeps the encoder's
 tokens once; MLA stores one latent per token. Specs are frozen dataclasses
-whose dtypes are `pagedkv.DType`, so the bookkeeping layer can hold them.
+whose dtypes are `pagedkv.DType`, so the bookkeeping layer can hold them (a
+`torch.dtype` is accepted and converted; torch is imported only then).
 Page sizes are in bytes for one layer and one page of `block_size` tokens.
 
 The spec is where a cache's attention kind lives: `KVCacheParams.kv_cache_spec`
@@ -32,6 +33,15 @@ __all__ = [
 ]  # fmt: skip
 
 S = TypeVar("S", bound="KVCacheSpec")
+
+
+def _to_dtype(dtype: Any) -> DType:
+    """`dtype` as a `DType`: a `torch.dtype` is converted (torch is imported only for this)."""
+    import torch
+
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype={dtype!r} must be a pagedkv.DType or a torch.dtype")
+    return DType.from_torch(dtype)
 
 
 class KVQuantMode(enum.IntEnum):
@@ -84,6 +94,23 @@ class KVCacheSpec:
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size={self.block_size!r} must be an int >= 1")
 
+    # RFC #42082 vocabulary (seed 004): a page holds block_size / tokens_per_state states of
+    # num_heads heads, each state_content_size_bytes bytes.
+    @property
+    def num_heads(self) -> int:
+        """Heads a state is split into (1 when headless, e.g. MLA)."""
+        return 1
+
+    @property
+    def tokens_per_state(self) -> int:
+        """Tokens one state covers: 1 standard (a state per token), N compressed, -1 infinite (recurrent)."""
+        return 1
+
+    @property
+    def state_content_size_bytes(self) -> int:
+        """Bytes of one state of one head (no page padding): here a token's share of the page."""
+        return self.real_page_size_bytes // self.block_size
+
     @property
     def page_size_bytes(self) -> int:
         """Bytes of one page (padding included)."""
@@ -94,9 +121,10 @@ class KVCacheSpec:
         """Bytes the page's content needs (no padding)."""
         return self.page_size_bytes
 
-    def max_memory_usage_bytes(self, limits: SchedulerLimits) -> int:
-        """Most bytes one request can hold in this layer."""
-        return self.max_admission_blocks_per_request(limits) * self.page_size_bytes
+    def max_memory_usage_bytes(self, vllm_config: SchedulerLimits) -> int:
+        """Most bytes one request can hold in this layer. `vllm_config` is named as in vLLM (seed 004)
+        and takes the `SchedulerLimits` that stand in for vLLM's `VllmConfig`."""
+        return self.max_admission_blocks_per_request(vllm_config) * self.page_size_bytes
 
     def max_admission_blocks_per_request(self, limits: SchedulerLimits) -> int:
         """Most pages one request holds at once (admission gate and pool sizing agree on it)."""
@@ -128,7 +156,7 @@ class AttentionSpec(KVCacheSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.dtype, DType):
-            raise TypeError(f"dtype={self.dtype!r} must be a pagedkv.DType")
+            object.__setattr__(self, "dtype", _to_dtype(self.dtype))
         if self.head_size_v is None:
             object.__setattr__(self, "head_size_v", self.head_size)
         if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
@@ -151,10 +179,25 @@ class AttentionSpec(KVCacheSpec):
 
     @property
     def page_size_bytes(self) -> int:
+        return self.page_size_padded if self.page_size_padded is not None else self._content_page_bytes
+
+    @property
+    def _content_page_bytes(self) -> int:
         real = self.real_page_size_bytes
         if self.kv_quant_mode.is_per_token_head:  # a float32 scale per (token, head) for K and for V
             real += 2 * self.block_size * self.num_kv_heads * 4
-        return self.page_size_padded if self.page_size_padded is not None else real
+        return real
+
+    @property
+    def num_heads(self) -> int:
+        """KV heads (`num_kv_heads`); 1 for the headless MLA specs."""
+        return self.num_kv_heads
+
+    @property
+    def state_content_size_bytes(self) -> int:
+        """Bytes of one token of one head: K and V (or the latent), plus per-(token, head) scales;
+        ``block_size * num_heads * state_content_size_bytes`` is the unpadded page."""
+        return self._content_page_bytes // (self.block_size * self.num_heads)
 
     def copy_with_new_block_size(self: S, block_size: int) -> S:
         padded = self.page_size_padded  # type: ignore[attr-defined]
@@ -217,6 +260,11 @@ class MLAAttentionSpec(FullAttentionSpec):
         return 1
 
     @property
+    def num_heads(self) -> int:
+        """1: the latent is headless (seed 004)."""
+        return 1
+
+    @property
     def real_page_size_bytes(self) -> int:
         return self.block_size * self.num_kv_heads * self.head_size * self.dtype.size_in_bytes
 
@@ -269,6 +317,11 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
 
     @property
     def kv_dim(self) -> int:
+        return 1
+
+    @property
+    def num_heads(self) -> int:
+        """1: the latent is headless (seed 004)."""
         return 1
 
     @property

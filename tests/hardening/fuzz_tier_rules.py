@@ -224,7 +224,7 @@ class TierRules:
         disk index and LRU) and serves some recent prompts, one at a time, under its own stamp model: the
         two write, read, evict and refuse each other's pages."""
         if self.peer is None:
-            self.peer = PagedKVCacheManager(self.params, self.num_pages, self.host_pages, enable_runtime_checks=True,
+            self.peer = PagedKVCacheManager(self.params, None, self.num_pages, self.host_pages, enable_runtime_checks=True,
                                             max_batch_size=4)  # fmt: skip
             self.peer_model = PrefixStampModel(self.peer)
         peer, conn = self.peer, self.peer.tiers.connectors[0]

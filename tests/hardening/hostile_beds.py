@@ -160,7 +160,7 @@ def tier_miss(**reader: Any) -> Callable[[], Trial]:
 
     def setup() -> Trial:
         directory = tempfile.mkdtemp(prefix="pagedkv-hostile-")
-        writer = PagedKVCacheManager(tiered_params(directory), 8, 4, max_batch_size=2)
+        writer = PagedKVCacheManager(tiered_params(directory), None, 8, 4, max_batch_size=2)
         c = TextContext("w", PROMPT)
         writer.claim("w")
         writer.alloc(c)
@@ -172,7 +172,7 @@ def tier_miss(**reader: Any) -> Callable[[], Trial]:
         writer.close()
         options = dict(reader)
         reader_params = tiered_params(directory, options.pop("model_id", "llama-a"), **options)
-        mgr = PagedKVCacheManager(reader_params, 8, 4, max_batch_size=2)
+        mgr = PagedKVCacheManager(reader_params, None, 8, 4, max_batch_size=2)
         r = TextContext("r", PROMPT)
         mgr.claim("r")
 
@@ -216,7 +216,7 @@ def step_ready(mgr: PagedKVCacheManager, c: TextContext) -> None:
 def dp_step_with_unknown() -> Trial:
     """Two data-parallel replicas; replica 0's batch is fine, replica 1's names an unknown request."""
     p = params(devices=[CPU, CPU], data_parallel_degree=2)
-    mgr = PagedKVCacheManager(p, 8, 0, True, max_batch_size=4)
+    mgr = PagedKVCacheManager(p, None, 8, 0, True, max_batch_size=4)
     a = running(mgr, "a", replica=0)
     mgr.runtime_inputs([[a], []])
     a.update(10)
@@ -239,7 +239,7 @@ def swapped_out(mgr: PagedKVCacheManager, c: TextContext) -> None:
 
 def hybrid_manager() -> PagedKVCacheManager:
     tree = MultiKVCacheParams({"full": params(), "window": params(sliding_window=8)})
-    return PagedKVCacheManager(tree, 16, 0, True, max_batch_size=2)
+    return PagedKVCacheManager(tree, None, 16, 0, True, max_batch_size=2)
 
 
 def on_hybrid(call: Callable[[PagedKVCacheManager, TextContext], Any]) -> Callable[[], Trial]:

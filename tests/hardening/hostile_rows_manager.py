@@ -37,52 +37,57 @@ from hostile_support import (
 
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.context import TextContext
-from pagedkv.core.errors import InsufficientBlocksError
+from pagedkv.core.errors import InsufficientBlocksError, MissingPagesError
 from pagedkv.core.hashing import hash_tokens
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.multi_params import MultiKVCacheParams
+from pagedkv.params import BatchCharacteristics
 
 C = Case
 F = np.arange(1, 6)  # a 5-token prompt
 
 MANAGER_ROWS: list[Case] = [
     # --- PagedKVCacheManager(...)
-    C("PagedKVCacheManager", f"{WRONG_TYPE}: None params", "PagedKVCacheManager(None, 8, max_batch_size=4)",
-      construct(lambda: PagedKVCacheManager(None, 8, max_batch_size=4)), TypeError,
+    C("PagedKVCacheManager", f"{WRONG_TYPE}: int session (pre-seed argument order)",
+      "PagedKVCacheManager(params, 8, 4, max_batch_size=4)",
+      construct(lambda: PagedKVCacheManager(params(), 8, 4, max_batch_size=4)), TypeError,
+      "session=8 is an int: the signature is PagedKVCacheManager(params, session, total_num_pages"),
+    C("PagedKVCacheManager", f"{WRONG_TYPE}: None params", "PagedKVCacheManager(None, None, 8, max_batch_size=4)",
+      construct(lambda: PagedKVCacheManager(None, None, 8, max_batch_size=4)), TypeError,
       "params must be KVCacheParams or MultiKVCacheParams, got NoneType"),
     C("PagedKVCacheManager", f"{WRONG_TYPE}: str", 'max_batch_size="4"',
-      construct(lambda: PagedKVCacheManager(params(), 8, max_batch_size="4")), TypeError, "max_batch_size='4' must be an int"),
+      construct(lambda: PagedKVCacheManager(params(), None, 8, max_batch_size="4")), TypeError, "max_batch_size='4' must be an int"),
     C("PagedKVCacheManager", f"{WRONG_TYPE}: str flag", 'enable_runtime_checks="no"',
-      construct(lambda: PagedKVCacheManager(params(), 8, 0, "no", max_batch_size=4)), TypeError,
+      construct(lambda: PagedKVCacheManager(params(), None, 8, 0, "no", max_batch_size=4)), TypeError,
       "enable_runtime_checks='no' must be a bool"),
     C("PagedKVCacheManager", f"{WRONG_TYPE}: float", "total_num_pages=8.0",
-      construct(lambda: PagedKVCacheManager(params(), 8.0, max_batch_size=4)), TypeError, "total_num_pages=8.0 must be an int"),
+      construct(lambda: PagedKVCacheManager(params(), None, 8.0, max_batch_size=4)), TypeError, "total_num_pages=8.0 must be an int"),
     C("PagedKVCacheManager", f"{ZERO}: pages", "total_num_pages=0",
-      construct(lambda: PagedKVCacheManager(params(), 0, max_batch_size=4)), ValueError, "total_num_pages=0 must be at least 1"),
+      construct(lambda: PagedKVCacheManager(params(), None, 0, max_batch_size=4)), ValueError, "total_num_pages=0 must be at least 1"),
     C("PagedKVCacheManager", f"{NEGATIVE}: pages", "total_num_pages=-1",
-      construct(lambda: PagedKVCacheManager(params(), -1, max_batch_size=4)), ValueError, "total_num_pages=-1 must be at least 1"),
+      construct(lambda: PagedKVCacheManager(params(), None, -1, max_batch_size=4)), ValueError, "total_num_pages=-1 must be at least 1"),
     C("PagedKVCacheManager", f"{NEGATIVE}: host pages", "total_num_host_pages=-1",
-      construct(lambda: PagedKVCacheManager(params(), 8, -1, max_batch_size=4)), ValueError,
+      construct(lambda: PagedKVCacheManager(params(), None, 8, -1, max_batch_size=4)), ValueError,
       "total_num_host_pages=-1 must be at least 0"),
     C("PagedKVCacheManager", f"{HUGE}: 2**63 pages", "total_num_pages=2**63",
-      construct(lambda: PagedKVCacheManager(params(), BIG, max_batch_size=4)), ValueError, "must be at most 2147483646"),
+      construct(lambda: PagedKVCacheManager(params(), None, BIG, max_batch_size=4)), ValueError, "must be at most 2147483646"),
     C("PagedKVCacheManager", f"{HUGE}: 10**12 pages", "total_num_pages=10**12",
-      construct(lambda: PagedKVCacheManager(params(), TERA, max_batch_size=4)), ValueError,
+      construct(lambda: PagedKVCacheManager(params(), None, TERA, max_batch_size=4)), ValueError,
       f"total_num_pages={TERA} must be at most 2147483646"),
     C("PagedKVCacheManager", f"{HUGE}: more than memory", "total_num_pages=2**30, head_dim=8192",
-      construct(lambda: PagedKVCacheManager(params(head_dim=8192), 2**30, max_batch_size=4)), ValueError,
+      construct(lambda: PagedKVCacheManager(params(head_dim=8192), None, 2**30, max_batch_size=4)), ValueError,
       "total_num_pages=1073741824 of 1048640 bytes need"),
     C("PagedKVCacheManager", f"{HUGE}: 10**12-token pages", "KVCacheParams(page_size=10**12), 8 pages",
-      construct(lambda: PagedKVCacheManager(params(page_size=TERA), 8, max_batch_size=4)), ValueError,
+      construct(lambda: PagedKVCacheManager(params(page_size=TERA), None, 8, max_batch_size=4)), ValueError,
       "total_num_pages=8 of 128000000000064 bytes need"),
     C("PagedKVCacheManager", f"{HUGE}: batch size", "max_batch_size=2**31",
-      construct(lambda: PagedKVCacheManager(params(), 8, max_batch_size=2**31)), ValueError,
+      construct(lambda: PagedKVCacheManager(params(), None, 8, max_batch_size=2**31)), ValueError,
       "max_batch_size=2147483648 must be at most 2147483647"),
     C("PagedKVCacheManager", f"{MISMATCH}: host pages without a tier", "total_num_host_pages=4, no kv_connector",
-      construct(lambda: PagedKVCacheManager(params(), 8, 4, max_batch_size=4)), ValueError,
+      construct(lambda: PagedKVCacheManager(params(), None, 8, 4, max_batch_size=4)), ValueError,
       "total_num_host_pages=4 needs a local, tiered or redis kv_connector"),
     C("PagedKVCacheManager", f"{MISMATCH}: tier for a hybrid model", 'window + full caches with kv_connector="local"',
-      construct(lambda: PagedKVCacheManager(MultiKVCacheParams({"f": params(**LOCAL), "w": params(sliding_window=8, **LOCAL)}),
+      construct(lambda: PagedKVCacheManager(MultiKVCacheParams({"f": params(**LOCAL), "w": params(sliding_window=8, **LOCAL)}), None,
                                             16, max_batch_size=2)), ValueError,
       "tiers below the device do not support hybrid"),
     # --- .claim
@@ -160,8 +165,19 @@ MANAGER_ROWS: list[Case] = [
       on_manager(lambda m, c: m.runtime_inputs([[c]], max_cache_length=4)), ValueError,
       "max_cache_length=4 is below the batch's 3 pages of 4"),
     C("PagedKVCacheManager.runtime_inputs", f"{UNKNOWN_ID}: claimed, never allocated", "claim(b); runtime_inputs([[b]])",
-      manager_then(lambda m, c: m.claim("b"), lambda m, c: m.runtime_inputs([[TextContext("b", F)]])), ValueError,
+      manager_then(lambda m, c: m.claim("b"), lambda m, c: m.runtime_inputs([[TextContext("b", F)]])), MissingPagesError,
       "request 'b' holds 0 pages but needs 2: alloc must be called first"),
+    C("PagedKVCacheManager.runtime_inputs", f"{CAPACITY}: prompt over batch_characteristics",
+      "BatchCharacteristics(4, 1, 64)",
+      on_manager(lambda m, c: m.runtime_inputs([[c]], batch_characteristics=BatchCharacteristics(4, 1, 64))), ValueError,
+      "exceeds batch_characteristics.max_prompt_length=1"),
+    C("PagedKVCacheManager.runtime_inputs", f"{CAPACITY}: batch_characteristics over max_batch_size",
+      "BatchCharacteristics(8, 64, 64), max_batch_size=4",
+      on_manager(lambda m, c: m.runtime_inputs([[c]], batch_characteristics=BatchCharacteristics(8, 64, 64))), ValueError,
+      "batch_characteristics.batch_size=8 exceeds max_batch_size=4"),
+    C("PagedKVCacheManager.runtime_inputs", f"{WRONG_TYPE}: batch_characteristics tuple", "batch_characteristics=(4, 8, 8)",
+      on_manager(lambda m, c: m.runtime_inputs([[c]], batch_characteristics=(4, 8, 8))), TypeError,  # type: ignore[arg-type]
+      "batch_characteristics must be a BatchCharacteristics or None, got tuple"),
     # --- .pin_prefix
     C("PagedKVCacheManager.pin_prefix", f"{OUTSIDE_INT32}: 2**31", "pin_prefix([1, 2**31])",
       on_manager(lambda m, c: m.pin_prefix([1, 2**31])), ValueError, "token 2147483648 is outside int32"),

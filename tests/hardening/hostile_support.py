@@ -146,7 +146,7 @@ def params(**overrides: Any) -> KVCacheParams:
 
 
 def manager(pages: int = 8, host_pages: int = 0, **overrides: Any) -> PagedKVCacheManager:
-    return PagedKVCacheManager(params(**overrides), pages, host_pages, True, max_batch_size=4)
+    return PagedKVCacheManager(params(**overrides), None, pages, host_pages, True, max_batch_size=4)
 
 
 def running(mgr: PagedKVCacheManager, rid: str = "a", n: int = 9, replica: int = 0) -> TextContext:

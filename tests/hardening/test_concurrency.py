@@ -44,7 +44,7 @@ def _manager(kind: str, where: str) -> PagedKVCacheManager:
         extra = dict(kv_connector="redis")
     params = make_params(n_kv_heads=2, head_dim=4, num_layers=2, page_size=4, enable_prefix_caching=True,
                          kv_connector_config=cfg, **extra)  # fmt: skip
-    return PagedKVCacheManager(params, 64, max_batch_size=8, enable_runtime_checks=True)
+    return PagedKVCacheManager(params, None, 64, max_batch_size=8, enable_runtime_checks=True)
 
 
 def _schedule(mgr: PagedKVCacheManager, seed: int, requests: int) -> int:

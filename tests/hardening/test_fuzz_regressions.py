@@ -42,7 +42,7 @@ def _one_torch_thread() -> Iterator[None]:
 def test_shadow_check_catches_a_wrong_page() -> None:
     """The shadow model is not vacuous: a page holding another prefix's values fails it."""
     params = layout_params("mha", page_size=2, enable_prefix_caching=True)
-    mgr = PagedKVCacheManager(params, 8, max_batch_size=4)
+    mgr = PagedKVCacheManager(params, None, 8, max_batch_size=4)
     model = PrefixStampModel(mgr)
     c = TextContext(0, np.arange(10, 15))
     mgr.claim(0)
@@ -79,7 +79,7 @@ def test_forged_page_is_served_unless_pages_are_signed(tmp_path: Path, signed: b
                            host_kvcache_swap_space_gb=1, kv_connector_config=config)  # fmt: skip
 
     def fresh() -> tuple[PagedKVCacheManager, PrefixStampModel]:
-        mgr = PagedKVCacheManager(params, 8, 4, enable_runtime_checks=True, max_batch_size=4)
+        mgr = PagedKVCacheManager(params, None, 8, 4, enable_runtime_checks=True, max_batch_size=4)
         return mgr, PrefixStampModel(mgr)
 
     mgr, model = fresh()
@@ -115,7 +115,7 @@ def test_a_disk_page_whose_file_vanished_is_written_again(tmp_path: Path) -> Non
     config = KVConnectorConfig(disk_offload_dir=str(tmp_path), io_threads=1)
     params = layout_params("mha", page_size=4, enable_prefix_caching=True, kv_connector="tiered",
                            host_kvcache_swap_space_gb=1, kv_connector_config=config)  # fmt: skip
-    mgr = PagedKVCacheManager(params, 4, 1, max_batch_size=4)  # 4 device pages, 1 host row
+    mgr = PagedKVCacheManager(params, None, 4, 1, max_batch_size=4)  # 4 device pages, 1 host row
     model = PrefixStampModel(mgr)
     try:
         a, b, c = list(range(10, 19)), list(range(50, 59)), list(range(70, 79))  # 9 tokens: 2 full pages each

@@ -58,7 +58,7 @@ class Deployment:
 
     def _new(self) -> PagedKVCacheManager:
         params = _params(self.tier, self.root, self.redis, **self.extra)
-        return PagedKVCacheManager(params, 64, total_num_host_pages=64 if self.tier in ("host", "disk") else 0,
+        return PagedKVCacheManager(params, None, 64, total_num_host_pages=64 if self.tier in ("host", "disk") else 0,
                                    max_batch_size=4, enable_runtime_checks=True)  # fmt: skip
 
     def serve(self, salt: str | None) -> int:
@@ -144,7 +144,7 @@ def test_no_page_of_old_weights_is_served_after_an_update(
 
 def test_weights_version_moves_every_replica_and_is_validated() -> None:
     mgr = PagedKVCacheManager(make_params(enable_prefix_caching=True, data_parallel_degree=2,
-                                          devices=[DeviceRef.CPU()] * 2), 8, max_batch_size=2)  # fmt: skip
+                                          devices=[DeviceRef.CPU()] * 2), None, 8, max_batch_size=2)  # fmt: skip
     mgr.set_weights_version("v9")
     assert [bm.hasher.version for bm in mgr._managers] == ["v9", "v9"]
     for bad, err, match in [(7, TypeError, "version=7 must be a str or None"),

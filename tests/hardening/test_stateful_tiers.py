@@ -157,7 +157,7 @@ class TierMachine(TierRules, ManagerMachine):
 
     def _build(self) -> None:
         """A fresh manager (and stamp model) on the example's params, tiers and directories."""
-        self.mgr = PagedKVCacheManager(self.params, self.num_pages, self.host_pages, enable_runtime_checks=True,
+        self.mgr = PagedKVCacheManager(self.params, None, self.num_pages, self.host_pages, enable_runtime_checks=True,
                                        max_batch_size=64)  # fmt: skip
         self.model = PrefixStampModel(self.mgr)
         self.bm = self.mgr._managers[0]

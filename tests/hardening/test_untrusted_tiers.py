@@ -44,7 +44,7 @@ def _manager(kind: str, where: str, mac_key: bytes | None) -> PagedKVCacheManage
         extra = dict(kv_connector="redis")
     params = make_params(n_kv_heads=2, head_dim=4, num_layers=2, page_size=4, enable_prefix_caching=True,
                          kv_connector_config=cfg, **extra)  # fmt: skip
-    return PagedKVCacheManager(params, 16, total_num_host_pages=0, max_batch_size=2, enable_runtime_checks=True)
+    return PagedKVCacheManager(params, None, 16, total_num_host_pages=0, max_batch_size=2, enable_runtime_checks=True)
 
 
 def _serve(mgr: PagedKVCacheManager, rid: int) -> int:
@@ -164,7 +164,7 @@ def test_page_names_stay_inside_the_directory_and_prefix(tmp_path: Path, redis_s
     params = make_params(n_kv_heads=2, head_dim=4, num_layers=2, page_size=4, enable_prefix_caching=True,
                          kv_connector="redis", kv_connector_config=KVConnectorConfig(
                              redis_url=redis_server.url, redis_key_prefix=glob_prefix))  # fmt: skip
-    writer = PagedKVCacheManager(params, 16, max_batch_size=2)
+    writer = PagedKVCacheManager(params, None, 16, max_batch_size=2)
     assert _serve(writer, 0) == 0
     names = {n.decode() for n in client.keys("*")} - {"victim:data", "untrusted-data"}
     assert names and all(n.startswith(glob_prefix) and len(n.split(":")[-1]) == 64 for n in names)

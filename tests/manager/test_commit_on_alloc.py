@@ -17,7 +17,7 @@ PROMPT = np.arange(100, 114)  # 14 tokens: 3 full pages of 4 before the last tok
 def manager(commit_on_alloc: bool = True, **kwargs: object) -> PagedKVCacheManager:
     params = make_params(page_size=4, enable_prefix_caching=True, devices=[DeviceRef.CPU()],
                          commit_on_alloc=commit_on_alloc, **kwargs)  # fmt: skip
-    return PagedKVCacheManager(params, 16, max_batch_size=4, enable_runtime_checks=True)
+    return PagedKVCacheManager(params, None, 16, max_batch_size=4, enable_runtime_checks=True)
 
 
 def admit(mgr: PagedKVCacheManager, rid: int, tokens: np.ndarray = PROMPT, chunk: int | None = None) -> TextContext:

@@ -29,7 +29,8 @@ def params(**overrides: Any) -> KVCacheParams:
 
 
 def manager(batch: int = 4, seq: int = 8, ragged: bool = True, **overrides: Any) -> ContinuousBatchingKVCacheManager:
-    return ContinuousBatchingKVCacheManager(params(**overrides), batch, seq, is_ragged=ragged)
+    p = params(**overrides)
+    return ContinuousBatchingKVCacheManager(p, batch, seq, p.num_layers, p.devices, None, is_ragged=ragged)
 
 
 def bind(m: ContinuousBatchingKVCacheManager, *contexts: TextContext) -> list[TextContext]:
@@ -85,7 +86,14 @@ def test_constructor_errors() -> None:
     with pytest.raises(TypeError, match="max_seq_len=8.0 must be an int"):
         manager(seq=8.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="params must be KVCacheParams, got dict"):
-        ContinuousBatchingKVCacheManager({}, 1, 1)  # type: ignore[arg-type]
+        ContinuousBatchingKVCacheManager({}, 1, 1, 2, [DeviceRef.CPU()], None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_layers=3 differs from params' 2 layers"):
+        ContinuousBatchingKVCacheManager(params(), 1, 1, 3, [DeviceRef.CPU()], None)
+    with pytest.raises(ValueError, match="differ from params.devices"):
+        ContinuousBatchingKVCacheManager(params(), 1, 1, 2, CPU2, None)
+    assert (
+        ContinuousBatchingKVCacheManager(params(), 1, 1, 2, [DeviceRef.CPU()], session := object()).session is session
+    )
     m = manager(batch=3, seq=5)
     # max_batch_size + 1 slots of max_seq_len tokens; the last is the null slot.
     assert tuple(m.buffer.values[0].shape) == (4, 2, 2, 5, 2, 2) and m.null_slot == 3
@@ -279,38 +287,43 @@ def test_num_kv_inputs_fp8_padded_is_four() -> None:
 def test_estimated_memory_size() -> None:
     cls = ContinuousBatchingKVCacheManager
     p = params()
-    # 4 slots + the null slot, 100 tokens each.
-    assert cls.estimated_memory_size(p, max_batch_size=4, max_seq_len=100) == 5 * 100 * BYTES_PER_TOKEN == 32000
+    cpu = [DeviceRef.CPU()]
+    # 4 slots + the null slot, 100 tokens each (seed 001's signature: every argument given).
+    assert cls.estimated_memory_size(p, 4, 100, 2, 10**6, cpu) == 5 * 100 * BYTES_PER_TOKEN == 32000
+    kw = dict(max_batch_size=4, max_seq_len=100, num_layers=2, available_cache_memory=0)
+    assert cls.estimated_memory_size(p, devices=cpu, **kw) == 32000  # type: ignore[arg-type]
     # Two TP shards of one head each hold the same total.
-    assert cls.estimated_memory_size(params(devices=CPU2), 4, 100) == 32000
-    assert cls.estimated_memory_size(p, 4, 100, num_layers=2, devices=[DeviceRef.CPU()]) == 32000
-    with pytest.raises(ValueError, match="num_layers=3 differs from params.num_layers=2"):
-        cls.estimated_memory_size(p, 4, 100, num_layers=3)
+    assert cls.estimated_memory_size(params(devices=CPU2), 4, 100, 2, 0, CPU2) == 32000
+    with pytest.raises(ValueError, match="num_layers=3 differs from params' 2 layers"):
+        cls.estimated_memory_size(p, 4, 100, 3, 0, cpu)
     with pytest.raises(ValueError, match="differ from params.devices"):
-        cls.estimated_memory_size(p, 4, 100, devices=CPU2)
+        cls.estimated_memory_size(p, 4, 100, 2, 0, CPU2)
 
 
 def test_infer_optimal_batch_size() -> None:
     cls = ContinuousBatchingKVCacheManager
     p = params()
+    cpu = [DeviceRef.CPU()]
     slot = 100 * BYTES_PER_TOKEN
     for k in (1, 3, 10):
-        assert cls.infer_optimal_batch_size(p, 100, available_cache_memory=(k + 1) * slot) == k
-        assert cls.infer_optimal_batch_size(p, 100, available_cache_memory=(k + 2) * slot - 1) == k
+        assert cls.infer_optimal_batch_size(p, 100, 2, (k + 1) * slot, cpu) == k
+        assert cls.infer_optimal_batch_size(p, 100, 2, available_cache_memory=(k + 2) * slot - 1, devices=cpu) == k
     with pytest.raises(InsufficientBlocksError, match="available_cache_memory=12799 holds no slot of 6400 bytes") as e:
-        cls.infer_optimal_batch_size(p, 100, available_cache_memory=2 * slot - 1)
+        cls.infer_optimal_batch_size(p, 100, 2, 2 * slot - 1, cpu)
     assert (e.value.needed, e.value.available) == (12800, 12799)
-    with pytest.raises(ValueError, match="available_cache_memory is required"):
-        cls.infer_optimal_batch_size(p, 100)
+    with pytest.raises(TypeError, match="available_cache_memory=None must be an int"):
+        cls.infer_optimal_batch_size(p, 100, 2, None, cpu)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_layers=1 differs"):
-        cls.infer_optimal_batch_size(p, 100, num_layers=1, available_cache_memory=10**6)
+        cls.infer_optimal_batch_size(p, 100, 1, 10**6, cpu)
 
 
 def test_bools_are_not_ids_or_counts() -> None:
     from pagedkv.manager.continuous import ContinuousBatchingKVCacheManager
     from pagedkv.runtime.buffers import allocate_kv_buffers
 
-    mgr = ContinuousBatchingKVCacheManager(make_params(), max_batch_size=4, max_seq_len=8)
+    p = make_params()
+    mgr = ContinuousBatchingKVCacheManager(p, max_batch_size=4, max_seq_len=8, num_layers=p.num_layers,
+                                           devices=p.devices, session=None)  # fmt: skip
     with pytest.raises(ValueError, match=r"seq_id=True must be an int in \[0, 4\)"):
         mgr.external_claim([True])
     assert mgr.slots_remaining == {0, 1, 2, 3}

@@ -20,7 +20,9 @@ CPU = DeviceRef.CPU()
 
 def paged(num_pages: int = 16, batch: int = 8, **overrides) -> PagedKVCacheManager:
     overrides.setdefault("enable_prefix_caching", True)
-    return PagedKVCacheManager(make_params(**overrides), num_pages, enable_runtime_checks=True, max_batch_size=batch)
+    return PagedKVCacheManager(
+        make_params(**overrides), None, num_pages, enable_runtime_checks=True, max_batch_size=batch
+    )
 
 
 def test_lifecycle_and_inputs() -> None:
@@ -51,13 +53,13 @@ def test_lifecycle_and_inputs() -> None:
 def test_constructor_and_argument_errors() -> None:
     p = make_params()
     with pytest.raises(TypeError, match="params must be KVCacheParams or MultiKVCacheParams, got dict"):
-        PagedKVCacheManager({}, 4, max_batch_size=1)  # type: ignore[arg-type]
+        PagedKVCacheManager({}, None, 4, max_batch_size=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="total_num_pages=0 must be at least 1"):
-        PagedKVCacheManager(p, 0, max_batch_size=1)
+        PagedKVCacheManager(p, None, 0, max_batch_size=1)
     with pytest.raises(ValueError, match="max_batch_size=0 must be at least 1"):
-        PagedKVCacheManager(p, 4, max_batch_size=0)
+        PagedKVCacheManager(p, None, 4, max_batch_size=0)
     with pytest.raises(ValueError, match="total_num_host_pages=3 needs a local, tiered or redis kv_connector"):
-        PagedKVCacheManager(p, 4, 3, max_batch_size=1)
+        PagedKVCacheManager(p, None, 4, 3, max_batch_size=1)
     mgr = paged()
     for bad in (1, -1, True, "0"):
         with pytest.raises(ValueError, match=r"replica_idx=.* must be an int in \[0, 1\)"):
@@ -89,7 +91,7 @@ def test_tensor_parallel_shards_share_tables_not_objects() -> None:
 def test_mixed_dp_tp_mla() -> None:
     params = make_params(is_mla=True, num_q_heads=8, head_dim=8, devices=[CPU] * 8, data_parallel_degree=2,
                          page_size=16, enable_prefix_caching=True)  # fmt: skip
-    mgr = PagedKVCacheManager(params, 32, max_batch_size=4)
+    mgr = PagedKVCacheManager(params, None, 32, max_batch_size=4)
     a, b = ctx("a", [1]), ctx("b", range(129))
     mgr.claim("a", 0)
     mgr.claim("b", 1)
@@ -109,7 +111,7 @@ def test_mixed_dp_tp_mla() -> None:
 def test_multi_cache_tree_shares_tables() -> None:
     tree = MultiKVCacheParams({"target": make_params(n_kv_heads=2, enable_prefix_caching=True),
                                "draft": make_params(head_dim=3, enable_prefix_caching=True)})  # fmt: skip
-    mgr = PagedKVCacheManager(tree, 12, enable_runtime_checks=True, max_batch_size=2)
+    mgr = PagedKVCacheManager(tree, None, 12, enable_runtime_checks=True, max_batch_size=2)
     first = ctx("a", range(9))
     mgr.claim("a")
     mgr.alloc(first)
@@ -145,7 +147,7 @@ def test_runtime_flatten_matches_symbolic(dp: int, tp: int) -> None:
     plain = make_params(n_kv_heads=4, devices=[CPU] * (dp * tp), data_parallel_degree=dp)
     tree = MultiKVCacheParams({"fp8": fp8, "plain": plain})
     for params in (fp8, tree):
-        mgr = PagedKVCacheManager(params, 8, max_batch_size=2)
+        mgr = PagedKVCacheManager(params, None, 8, max_batch_size=2)
         batches = [[ctx(f"r{r}", range(3))] for r in range(dp)]
         for r, (c,) in enumerate(batches):
             mgr.claim(c.request_id, r)
@@ -237,8 +239,11 @@ def test_from_memory_budget() -> None:
     assert mgr.total_num_blocks() == 100 and mgr.get_device_buffer().total_num_pages == 101
     capped = PagedKVCacheManager.from_memory_budget(params, 512 * 100, max_batch_size=2, max_seq_len=10)
     assert capped.total_num_blocks() == 6
-    assert PagedKVCacheManager.estimated_memory_size(params, 512 * 100, 2, 10) == 6 * 512
-    assert PagedKVCacheManager.infer_optimal_batch_size(params, 40, 512 * 100) == 10
+    cpu = params.devices
+    assert PagedKVCacheManager.estimated_memory_size(params, 2, 10, 2, 512 * 100, cpu) == 6 * 512
+    assert PagedKVCacheManager.infer_optimal_batch_size(params, 40, 2, 512 * 100, cpu) == 10
+    with pytest.raises(ValueError, match="num_layers=3 differs from params' 2 layers"):
+        PagedKVCacheManager.infer_optimal_batch_size(params, 40, 3, 512 * 100, cpu)
 
 
 def test_released_pages_are_zero_cost_for_the_null_page() -> None:

@@ -57,7 +57,7 @@ def reuse(mgr: PagedKVCacheManager) -> tuple[tuple[int, int, int], TextContext]:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_runtime_inputs_copies_the_reused_slots_of_every_tensor(layout: str) -> None:
-    mgr = PagedKVCacheManager(partial_params(**LAYOUTS[layout]), 16, enable_runtime_checks=True, max_batch_size=4)
+    mgr = PagedKVCacheManager(partial_params(**LAYOUTS[layout]), None, 16, enable_runtime_checks=True, max_batch_size=4)
     before = scramble(mgr)
     (src, dst, n), b = reuse(mgr)
     assert n == 2 and mgr._managers[0].pool.ref_count(src) == 2
@@ -79,7 +79,7 @@ def test_runtime_inputs_copies_the_reused_slots_of_every_tensor(layout: str) -> 
 
 def test_a_multi_cache_tree_copies_in_every_cache() -> None:
     tree = MultiKVCacheParams({"target": partial_params(n_kv_heads=2, head_dim=4), "draft": partial_params(head_dim=2)})
-    mgr = PagedKVCacheManager(tree, 16, enable_runtime_checks=True, max_batch_size=4)
+    mgr = PagedKVCacheManager(tree, None, 16, enable_runtime_checks=True, max_batch_size=4)
     before = scramble(mgr)
     (src, dst, n), b = reuse(mgr)
     mgr.runtime_inputs([[b]])
@@ -99,8 +99,8 @@ def test_flag_validation() -> None:
         MultiKVCacheParams({"full": partial_params(), "window": partial_params(sliding_window=8)}),
     ):
         with pytest.raises(ValueError, match="enable_partial_page_reuse=True does not support hybrid models"):
-            PagedKVCacheManager(hybrid, 16, max_batch_size=4)
+            PagedKVCacheManager(hybrid, None, 16, max_batch_size=4)
     with pytest.raises(ValueError, match="All caches must have the same enable_partial_page_reuse"):
         MultiKVCacheParams({"a": partial_params(), "b": make_params(enable_prefix_caching=True, num_layers=3)})
-    plain = PagedKVCacheManager(make_params(enable_prefix_caching=True), 16, max_batch_size=4)
+    plain = PagedKVCacheManager(make_params(enable_prefix_caching=True), None, 16, max_batch_size=4)
     assert plain._managers[0]._partial is None and plain._managers[0].take_page_copies() == []

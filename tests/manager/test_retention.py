@@ -13,7 +13,7 @@ from pagedkv.manager.paged import PagedKVCacheManager
 
 def manager(num_pages: int, **kwargs: object) -> PagedKVCacheManager:
     params = make_params(page_size=4, enable_prefix_caching=True, devices=[DeviceRef.CPU()], **kwargs)
-    return PagedKVCacheManager(params, num_pages, max_batch_size=4, enable_runtime_checks=True)
+    return PagedKVCacheManager(params, None, num_pages, max_batch_size=4, enable_runtime_checks=True)
 
 
 def serve(mgr: PagedKVCacheManager, rid: int, tokens: list[int], retention: Retention | None = None) -> int:

@@ -64,7 +64,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr = PagedKVCacheManager(
             layout_params(layout, page_size=page_size, enable_prefix_caching=caching,
                           num_eagle_speculative_tokens=spec, kv_hash_algo=algo, eviction_policy=policy,
-                          protected_fraction=protect, evict_leaves_first=leaves, **self.extra_params),
+                          protected_fraction=protect, evict_leaves_first=leaves, **self.extra_params), None,
             num_pages, enable_runtime_checks=True, max_batch_size=64,
         )  # fmt: skip
         self.model = PrefixStampModel(self.mgr)
@@ -201,7 +201,7 @@ def test_one_token_prefill_chunk_is_not_a_decode_step() -> None:
     """Found by the machine above: a hybrid request chunked to one prompt token and alloc'ed twice
     took the decode fast path, which gave it the pages of a decode at its last token."""
     params = layout_params("hybrid", page_size=2, enable_prefix_caching=False)
-    mgr = PagedKVCacheManager(params, 36, enable_runtime_checks=True, max_batch_size=4)
+    mgr = PagedKVCacheManager(params, None, 36, enable_runtime_checks=True, max_batch_size=4)
     ctx = TextContext(0, np.arange(100, 117))
     mgr.claim(0)
     ctx.tokens.chunk(1)

@@ -57,7 +57,7 @@ def pages(mgr: PagedKVCacheManager, ids: list[int]) -> list[bytes]:
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_round_trip_is_bit_exact(layout: str) -> None:
-    mgr = PagedKVCacheManager(LAYOUTS[layout](), 10, total_num_host_pages=6, max_batch_size=4)
+    mgr = PagedKVCacheManager(LAYOUTS[layout](), None, 10, total_num_host_pages=6, max_batch_size=4)
     conn = mgr.tiers.connectors[0]
     assert conn.mover.row_bytes == sum(u.bytes_per_page for u in conn.mover.units) and mgr.get_num_host_pages() == 6
     scramble(mgr, 1)
@@ -77,7 +77,7 @@ def test_round_trip_is_bit_exact(layout: str) -> None:
 
 
 def test_host_lru_and_dedup() -> None:
-    mgr = PagedKVCacheManager(LAYOUTS["fp32"](), 10, total_num_host_pages=3, max_batch_size=4)
+    mgr = PagedKVCacheManager(LAYOUTS["fp32"](), None, 10, total_num_host_pages=3, max_batch_size=4)
     conn = mgr.tiers.connectors[0]
     conn.offload([1, 2, 3], keys("a", "b", "c"))
     conn.offload([1], keys("a"))  # already there: not copied again
@@ -92,7 +92,7 @@ def test_host_lru_and_dedup() -> None:
 
 def test_manager_reloads_evicted_prefix_from_host() -> None:
     """A prefix evicted from the 6-page device pool comes back from host: same KV, no recompute."""
-    mgr = PagedKVCacheManager(make_params(**LOCAL, n_kv_heads=2, head_dim=2, num_layers=2), 6,
+    mgr = PagedKVCacheManager(make_params(**LOCAL, n_kv_heads=2, head_dim=2, num_layers=2), None, 6,
                               total_num_host_pages=16, max_batch_size=2, enable_runtime_checks=True)  # fmt: skip
     model = PrefixStampModel(mgr)
     prompt = list(range(1, 14))  # 13 tokens: pages 0-2 are full and shareable
@@ -122,12 +122,12 @@ def test_connector_needs_caching_and_refuses_hybrid() -> None:
         "full": make_params(**LOCAL), "window": make_params(**LOCAL, sliding_window=8)
     })  # fmt: skip
     with pytest.raises(ValueError, match="do not support hybrid"):
-        PagedKVCacheManager(hybrid, 8, max_batch_size=1)
+        PagedKVCacheManager(hybrid, None, 8, max_batch_size=1)
 
 
 def test_host_pages_from_swap_space() -> None:
     params = make_params(**{**LOCAL, "host_kvcache_swap_space_gb": 2 / 1024**2}, n_kv_heads=2, head_dim=4)
-    mgr = PagedKVCacheManager(params, 4, max_batch_size=1)
+    mgr = PagedKVCacheManager(params, None, 4, max_batch_size=1)
     assert mgr.get_num_host_pages() == 2 * 1024 // params.bytes_per_block == 8
     assert np.asarray(mgr.tiers.connectors[0].host.buffer.shape).tolist() == [8, params.bytes_per_block]
     mgr.close()

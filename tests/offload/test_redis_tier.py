@@ -60,7 +60,7 @@ def config(url: str, **overrides: Any) -> KVConnectorConfig:
 
 def manager(cfg: KVConnectorConfig, layout: str = "fp32", host_pages: int = 0) -> PagedKVCacheManager:
     params = LAYOUTS[layout](dict(enable_prefix_caching=True, kv_connector="redis", kv_connector_config=cfg))
-    return PagedKVCacheManager(params, 10, total_num_host_pages=host_pages, max_batch_size=4)
+    return PagedKVCacheManager(params, None, 10, total_num_host_pages=host_pages, max_batch_size=4)
 
 
 def connector(mgr: PagedKVCacheManager) -> KVConnector:
@@ -72,7 +72,7 @@ def engine_process(cfg: KVConnectorConfig, events: list[Any] | None = None) -> d
     """One fresh "engine" (empty device, no host tier) serves PROMPT under PrefixStampModel, which checks
     the KV of every cached position; returns cached tokens and the Redis counters."""
     mgr = PagedKVCacheManager(make_params(**SMALL, enable_prefix_caching=True, kv_connector="redis",
-                                          kv_connector_config=cfg), 8, max_batch_size=4, enable_runtime_checks=True)  # fmt: skip
+                                          kv_connector_config=cfg), None, 8, max_batch_size=4, enable_runtime_checks=True)  # fmt: skip
     if events is not None:
         mgr.add_kv_event_listener(lambda batch: events.extend(e for e in batch.events if isinstance(e, BlockRemoved)))
     model = PrefixStampModel(mgr)

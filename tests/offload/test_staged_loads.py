@@ -32,7 +32,7 @@ SENTINEL = 0xAB
 def evicted_prefix_manager() -> tuple[PagedKVCacheManager, PrefixStampModel]:
     """A 6-page device pool whose PROMPT prefix (3 pages) was evicted from the device but sits in host rows."""
     params = make_params(**LOCAL, n_kv_heads=2, head_dim=2, num_layers=2)
-    mgr = PagedKVCacheManager(params, 6, total_num_host_pages=16, max_batch_size=2, enable_runtime_checks=True)
+    mgr = PagedKVCacheManager(params, None, 6, total_num_host_pages=16, max_batch_size=2, enable_runtime_checks=True)
     model = PrefixStampModel(mgr)
     serve(mgr, model, ctx("a", PROMPT), 4)
     serve(mgr, model, ctx("evictor", range(50, 70)), 2)  # 20 tokens: needs every device page
@@ -129,7 +129,7 @@ def test_loaded_page_evicted_and_reused_before_the_forward() -> None:
 
 
 def test_one_host_row_loaded_twice_and_one_page_staged_twice() -> None:
-    mgr = PagedKVCacheManager(LAYOUTS["fp32"](), 10, total_num_host_pages=4, max_batch_size=4)
+    mgr = PagedKVCacheManager(LAYOUTS["fp32"](), None, 10, total_num_host_pages=4, max_batch_size=4)
     conn = mgr.tiers.connectors[0]
     scramble(mgr, 1)
     a, b = pages(mgr, [1]), pages(mgr, [2])
@@ -148,7 +148,7 @@ def test_one_host_row_loaded_twice_and_one_page_staged_twice() -> None:
 
 def test_lower_tier_pages_staged_without_a_host_tier(tmp_path: Any) -> None:
     """Disk pages fetched (and checked) at `load` into a staging buffer; copied at `complete_loads`."""
-    mgr = PagedKVCacheManager(LAYOUTS["fp32"](), 10, max_batch_size=2)  # (its own tiers are not used)
+    mgr = PagedKVCacheManager(LAYOUTS["fp32"](), None, 10, max_batch_size=2)  # (its own tiers are not used)
     mgr.close()
     buffer = mgr.get_device_buffer()
     mover = PageMover(buffer)

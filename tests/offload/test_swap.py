@@ -16,7 +16,7 @@ LOCAL = dict(enable_prefix_caching=True, kv_connector="local", host_kvcache_swap
 
 def manager(device_pages: int = 8, host_pages: int = 8) -> PagedKVCacheManager:
     params = make_params(**LOCAL, n_kv_heads=2, head_dim=2, num_layers=2)
-    return PagedKVCacheManager(params, device_pages, total_num_host_pages=host_pages, max_batch_size=4,
+    return PagedKVCacheManager(params, None, device_pages, total_num_host_pages=host_pages, max_batch_size=4,
                                enable_runtime_checks=True)  # fmt: skip
 
 
@@ -28,7 +28,7 @@ def snapshot(mgr: PagedKVCacheManager) -> tuple:
 
 @pytest.mark.parametrize("layout", ["fp32", "bf16", "fp8-scales", "mha-tp2", "mla-tp2"])
 def test_swapped_pages_come_back_bit_exact(layout: str) -> None:
-    mgr = PagedKVCacheManager(LAYOUTS[layout](), 6, total_num_host_pages=8, max_batch_size=4)
+    mgr = PagedKVCacheManager(LAYOUTS[layout](), None, 6, total_num_host_pages=8, max_batch_size=4)
     c = ctx("a", range(1, 23))  # 22 tokens, pages of 4: 6 pages, the last one partial
     mgr.claim("a")
     mgr.alloc(c)
@@ -97,7 +97,7 @@ def test_swap_out_without_room_and_swap_in_without_pages_change_nothing() -> Non
 
 
 def test_swap_needs_a_host_tier() -> None:
-    mgr = PagedKVCacheManager(make_params(enable_prefix_caching=True), 4, max_batch_size=2)
+    mgr = PagedKVCacheManager(make_params(enable_prefix_caching=True), None, 4, max_batch_size=2)
     mgr.claim("a")
     mgr.alloc(ctx("a", range(1, 6)))
     assert not mgr.can_swap and not mgr.swap_out("a") and mgr.contains("a")

@@ -38,7 +38,7 @@ def build(spec: dict) -> PagedKVCacheManager:
         n_kv_heads=2, head_dim=4, num_layers=2, enable_prefix_caching=True, kv_connector=spec["connector"],
         host_kvcache_swap_space_gb=1 if spec["connector"] != "redis" else None, kv_connector_config=config,
     )  # fmt: skip
-    return PagedKVCacheManager(params, spec.get("device_pages", 8), total_num_host_pages=spec.get("host_pages", 4),
+    return PagedKVCacheManager(params, None, spec.get("device_pages", 8), total_num_host_pages=spec.get("host_pages", 4),
                                max_batch_size=4, enable_runtime_checks=True)  # fmt: skip
 
 

@@ -51,7 +51,7 @@ def make_manager(page_size: int, n_kv_heads: int = 2, head_dim: int = 8, dtype: 
         page_size=page_size, enable_prefix_caching=True, kvcache_quant_config=quant, is_mla=is_mla,
         num_q_heads=n_kv_heads if is_mla else None,
     )  # fmt: skip
-    return PagedKVCacheManager(params, 96, enable_runtime_checks=True, max_batch_size=4)
+    return PagedKVCacheManager(params, None, 96, enable_runtime_checks=True, max_batch_size=4)
 
 
 def ragged_steps(

@@ -112,7 +112,7 @@ def decode_batch(case: Case, device: str, seed: int = 0) -> tuple[RaggedKVCacheI
         num_q_heads=case.n_kv_heads * case.group, kvcache_quant_config=quant,
     )  # fmt: skip
     pages = sum(-(-(n + 1) // case.page_size) + 1 for n in case.prompts)  # + 1: a filler page each
-    mgr = PagedKVCacheManager(params, pages, max_batch_size=len(case.prompts), enable_runtime_checks=True)
+    mgr = PagedKVCacheManager(params, None, pages, max_batch_size=len(case.prompts), enable_runtime_checks=True)
     contexts, prefilled = [], []
     for i, n in enumerate(case.prompts):  # each request after a filler page freed below: scattered page ids
         filler = ctx(f"filler{i}", range(case.page_size))

@@ -70,7 +70,9 @@ def params_for(specs: dict[str, KVCacheSpec], **kwargs: Any) -> KVCacheParams | 
 def request_bytes(params: KVCacheParams | MultiKVCacheParams, context: int, chunk: int = 2048) -> int:
     """Bytes of the pages one request holds in a decode step at `context` tokens (prefill chunked)."""
     page_bytes = max(leaf.bytes_per_block for leaf in params.leaves())  # one page id, whichever group
-    manager = PagedKVCacheManager(params, -(-2 * context // params.page_size) * len(params.leaves()), max_batch_size=1)
+    manager = PagedKVCacheManager(
+        params, None, -(-2 * context // params.page_size) * len(params.leaves()), max_batch_size=1
+    )
     ctx = TextContext(0, list(range(context - 1)))
     manager.claim(0)
     while ctx.tokens.active_length > 1 or ctx.tokens.is_chunked:
@@ -125,7 +127,7 @@ def hit_rate_figures(num_requests: int = 2000, seed: int = 0) -> list[dict[str, 
             protected_fraction=fraction,
         )  # fmt: skip
         pages = 8 * GiB // max(leaf.bytes_per_block for leaf in params.leaves())
-        manager = PagedKVCacheManager(params, pages, max_batch_size=256)
+        manager = PagedKVCacheManager(params, None, pages, max_batch_size=256)
         with gc_frozen():
             stats = replay(manager, trace, max_batch_size=256, max_num_batched_tokens=8192)
         rows.append({
@@ -140,7 +142,7 @@ def _decode_us(windows: list[int | None], pages: int, batch: int, steps: int) ->
     """Mean microseconds of alloc + step per request per decode step: `batch` requests of vLLM's
     scenario D trace (8 shared 1024-token prompts + 256 unique tokens), prefilled untimed first."""
     params = params_for(layer_specs(windows, 8, 128), enable_prefix_caching=True)
-    manager = PagedKVCacheManager(params, pages, max_batch_size=batch)
+    manager = PagedKVCacheManager(params, None, pages, max_batch_size=batch)
     contexts = [TextContext(r.rid, r.prompt) for r in shared_prefix_trace(batch, 8, 1024, 256, steps)]
     for c in contexts:
         manager.claim(c.request_id)

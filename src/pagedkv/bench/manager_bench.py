@@ -79,14 +79,16 @@ def run_manager_bench(
     pages = compute_num_device_blocks(params, int(budget_gib * GiB))
     runs = []
     for _ in range(repeats):
-        manager = PagedKVCacheManager(params, pages, max_batch_size=max_batch_size)
+        manager = PagedKVCacheManager(params, None, pages, max_batch_size=max_batch_size)
         with gc_paused():
             runs.append(replay(manager, trace, max_batch_size=max_batch_size, progress=progress))
     stats = min(runs, key=lambda s: s.micros("decode_alloc") + s.micros("step_decode"))
     best = {phase: min(run.micros(phase) for run in runs) for phase in stats.seconds}
     metrics = manager.get_metrics_aggregated()
     max_seq = prefix_len + suffix_len + decode_steps
-    slot_bytes = ContinuousBatchingKVCacheManager.estimated_memory_size(params, max_batch_size, max_seq)
+    slot_bytes = ContinuousBatchingKVCacheManager.estimated_memory_size(
+        params, max_batch_size, max_seq, params.num_layers, 0, params.devices
+    )
     prompts = [r.prompt for r in trace]
     fresh = np.random.default_rng(seed + 1)
     unique = [fresh.integers(0, 32000, len(p), dtype=np.int32) for p in prompts[:200]]

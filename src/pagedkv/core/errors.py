@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["InsufficientBlocksError", "IntegrityError", "require"]
+__all__ = ["InsufficientBlocksError", "IntegrityError", "MissingPagesError", "require"]
 
 
 class InsufficientBlocksError(Exception):
@@ -17,6 +17,14 @@ class InsufficientBlocksError(Exception):
         super().__init__(message)
         self.needed = needed
         self.available = available
+
+
+class MissingPagesError(RuntimeError, ValueError):
+    """A request in a batch holds fewer pages than its tokens need: `alloc` was not called for it.
+
+    A RuntimeError, as MAX's `PagedKVCacheManager.runtime_inputs` documents; also a ValueError,
+    which pagedkv raised for it before, so existing ``except ValueError`` handlers still catch it.
+    """
 
 
 class IntegrityError(RuntimeError):

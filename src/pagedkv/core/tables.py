@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.core.context import TextContext
+from pagedkv.core.errors import MissingPagesError
 from pagedkv.core.hashing import BlockHash, PrefixHasher
 from pagedkv.validation import INT32_MAX, check_int
 
@@ -151,10 +152,11 @@ def assemble_tables(
     null_page: int,
     max_cache_length: int | None = None,
 ) -> BatchTables:
-    """`BatchTables` from (request id, table, pages required) rows; ValueError when a table is short."""
+    """`BatchTables` from (request id, table, pages required) rows; `MissingPagesError` (a
+    RuntimeError and ValueError) when a table is short."""
     for rid, table, required in rows:
         if table.num_pages < required:
-            raise ValueError(
+            raise MissingPagesError(
                 f"request {rid!r} holds {table.num_pages} pages but needs {required}: alloc must be called first"
             )
     width = max((r for _, _, r in rows), default=0)

@@ -119,7 +119,7 @@ class EncoderDecoderEngine(LLMEngine):
         )  # fmt: skip
         model.set_attn_implementation(register())  # type: ignore[operator]
         if num_pages is not None:
-            manager = PagedKVCacheManager(layout.params, num_pages, max_batch_size=max_batch_size)
+            manager = PagedKVCacheManager(layout.params, None, num_pages, max_batch_size=max_batch_size)
         else:
             assert memory_budget is not None
             manager = PagedKVCacheManager.from_memory_budget(

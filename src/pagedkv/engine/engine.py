@@ -131,7 +131,7 @@ class LLMEngine:
         params = layout.params
         model.set_attn_implementation(register())  # type: ignore[operator]
         if num_pages is not None:
-            manager = PagedKVCacheManager(params, num_pages, total_num_host_pages, max_batch_size=max_batch_size)
+            manager = PagedKVCacheManager(params, None, num_pages, total_num_host_pages, max_batch_size=max_batch_size)
         else:
             assert memory_budget is not None
             manager = PagedKVCacheManager.from_memory_budget(params, memory_budget, max_batch_size=max_batch_size)

@@ -18,7 +18,7 @@ import torch
 from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.dtype import DeviceRef
-from pagedkv.params import KVCacheParams
+from pagedkv.params import KVCacheParamInterface, KVCacheParams
 from pagedkv.runtime.inputs import KVCacheInputs, PaddedKVCacheInputs, RaggedKVCacheInputs
 from pagedkv.symbols import KVCacheInputSymbols
 from pagedkv.validation import check_int
@@ -35,17 +35,32 @@ class KVCacheManager(ABC, Generic[T]):
         params: the cache description (one data-parallel replica).
         max_batch_size: number of sequence ids (slots).
         max_seq_len: longest sequence a slot holds.
+        num_layers: must equal ``params.num_layers`` (MAX's signature repeats it; ValueError otherwise).
+        devices: must equal ``params.devices`` (repeated likewise).
+        session: MAX's `InferenceSession` slot (seed 001), stored as `self.session` and never used:
+            pagedkv allocates with torch. None or any object.
         is_ragged: return `RaggedKVCacheInputs` (True) or `PaddedKVCacheInputs` (False).
     """
 
     def __init__(
-        self, params: KVCacheParams, max_batch_size: int, max_seq_len: int, *, is_ragged: bool = False
+        self,
+        params: KVCacheParams,
+        max_batch_size: int,
+        max_seq_len: int,
+        num_layers: int,
+        devices: Sequence[DeviceRef],
+        session: Any,
+        is_ragged: bool = False,
     ) -> None:
         if not isinstance(params, KVCacheParams):
             raise TypeError(f"params must be KVCacheParams, got {type(params).__name__}")
         check_int("max_batch_size", max_batch_size, 1)
         check_int("max_seq_len", max_seq_len, 1)
+        check_redundant_args(params, num_layers, devices)
+        if not isinstance(is_ragged, bool):
+            raise TypeError(f"is_ragged={is_ragged!r} must be a bool")
         self.params = params
+        self.session = session
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.is_ragged = is_ragged
@@ -158,12 +173,13 @@ class KVCacheManager(ABC, Generic[T]):
         params: KVCacheParams,
         max_batch_size: int,
         max_seq_len: int,
-        num_layers: int | None = None,
-        available_cache_memory: int | None = None,
-        devices: Sequence[DeviceRef] | None = None,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[DeviceRef],
         **kwargs: Any,
     ) -> int:
-        """Bytes the cache takes for this configuration."""
+        """Bytes the cache takes for this configuration. `num_layers` and `devices` must match
+        `params` (ValueError); `kwargs` are for subclasses and ignored here."""
 
     @classmethod
     @abstractmethod
@@ -171,19 +187,25 @@ class KVCacheManager(ABC, Generic[T]):
         cls,
         params: KVCacheParams,
         max_seq_len: int,
-        num_layers: int | None = None,
-        available_cache_memory: int | None = None,
-        devices: Sequence[DeviceRef] | None = None,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[DeviceRef],
         **kwargs: Any,
     ) -> int:
-        """Largest batch of `max_seq_len` sequences the memory holds."""
+        """Largest batch of `max_seq_len` sequences `available_cache_memory` bytes hold.
+        `num_layers` and `devices` must match `params` (ValueError); `kwargs` are ignored."""
 
 
-def check_redundant_args(params: KVCacheParams, num_layers: int | None, devices: Sequence[DeviceRef] | None) -> None:
-    """MAX's planning signatures repeat `num_layers` and `devices`; they must match `params`."""
-    if num_layers is not None and num_layers != params.num_layers:
-        raise ValueError(f"num_layers={num_layers} differs from params.num_layers={params.num_layers}")
-    if devices is not None and tuple(devices) != tuple(params.devices):
+def check_redundant_args(params: KVCacheParamInterface, num_layers: Any, devices: Any) -> None:
+    """MAX's planning signatures repeat `num_layers` and `devices`; they must match `params`
+    (for a cache tree, `num_layers` is the sum over its caches)."""
+    layers = sum(leaf.num_layers for leaf in params.leaves())
+    check_int("num_layers", num_layers, 1)
+    if num_layers != layers:
+        raise ValueError(f"num_layers={num_layers} differs from params' {layers} layers")
+    if isinstance(devices, str) or not isinstance(devices, Sequence):
+        raise TypeError(f"devices must be a sequence of DeviceRef, got {type(devices).__name__}")
+    if tuple(devices) != tuple(params.devices):
         raise ValueError(f"devices={list(devices)} differ from params.devices={list(params.devices)}")
 
 

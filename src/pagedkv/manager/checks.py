@@ -14,18 +14,20 @@ from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.tables import check_batch
 from pagedkv.manager import hybrid
 from pagedkv.multi_params import MultiKVCacheParams
-from pagedkv.params import KVCacheParams
+from pagedkv.params import BatchCharacteristics, KVCacheParams
 from pagedkv.runtime.buffers import check_fits
 from pagedkv.validation import INT32_MAX, check_int
 
 __all__ = [
     "check_alloc",
+    "check_batch_characteristics",
     "check_batches",
     "check_claim",
     "check_context",
     "check_group",
     "check_manager",
     "check_request_id",
+    "check_session",
     "check_step",
 ]
 
@@ -45,6 +47,48 @@ def check_manager(
         raise TypeError(f"enable_runtime_checks={enable_runtime_checks!r} must be a bool")
     host = HOST_BYTES_PER_PAGE * params.data_parallel_degree
     check_fits(params, total_num_pages, null_page=True, shared=hybrid.is_hybrid(params), host_bytes_per_page=host)
+
+
+def check_session(session: Any) -> None:
+    """The constructor's `session` (MAX's `InferenceSession` slot): anything but an int.
+
+    An int there is the pre-seed call ``PagedKVCacheManager(params, total_num_pages, ...)``; it is
+    refused rather than guessed at, since ``(params, 8, 4)`` would otherwise mean two things."""
+    if isinstance(session, int):
+        raise TypeError(
+            f"session={session!r} is an int: the signature is PagedKVCacheManager(params, session, total_num_pages, "
+            f"total_num_host_pages=0, enable_runtime_checks=False, *, max_batch_size) as in MAX; pass session=None "
+            f"before the page count, e.g. PagedKVCacheManager(params, None, {session!r}, max_batch_size=...)"
+        )
+
+
+def check_batch_characteristics(bounds: Any, batches: Sequence[Sequence[TextContext]], max_batch_size: int) -> None:
+    """`runtime_inputs(batch_characteristics=...)`: a `BatchCharacteristics` whose bounds hold every
+    replica's real batch size, longest active window and longest ``cached + active`` length."""
+    if not isinstance(bounds, BatchCharacteristics):
+        raise TypeError(f"batch_characteristics must be a BatchCharacteristics or None, got {type(bounds).__name__}")
+    if bounds.batch_size > max_batch_size:
+        raise ValueError(
+            f"batch_characteristics.batch_size={bounds.batch_size} exceeds max_batch_size={max_batch_size}"
+        )
+    for r, batch in enumerate(batches):
+        if len(batch) > bounds.batch_size:
+            raise ValueError(
+                f"replica {r} batch of {len(batch)} exceeds batch_characteristics.batch_size={bounds.batch_size}"
+            )
+        ends = [ctx.tokens.current_position for ctx in batch]
+        prompt = max((e - ctx.tokens.processed_length for e, ctx in zip(ends, batch, strict=True)), default=0)
+        if prompt > bounds.max_prompt_length:
+            raise ValueError(
+                f"replica {r} max prompt length {prompt} exceeds "
+                f"batch_characteristics.max_prompt_length={bounds.max_prompt_length}"
+            )
+        cache = max(ends, default=0)
+        if cache > bounds.max_cache_valid_length:
+            raise ValueError(
+                f"replica {r} max cache length {cache} exceeds "
+                f"batch_characteristics.max_cache_valid_length={bounds.max_cache_valid_length}"
+            )
 
 
 def check_claim(swapped: Any, request_id: Any, replica_idx: int) -> None:

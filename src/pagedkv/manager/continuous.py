@@ -35,9 +35,16 @@ class ContinuousBatchingKVCacheManager(KVCacheManager[T]):
     """
 
     def __init__(
-        self, params: KVCacheParams, max_batch_size: int, max_seq_len: int, *, is_ragged: bool = False
+        self,
+        params: KVCacheParams,
+        max_batch_size: int,
+        max_seq_len: int,
+        num_layers: int,
+        devices: Sequence[DeviceRef],
+        session: Any,
+        is_ragged: bool = False,
     ) -> None:
-        super().__init__(params, max_batch_size, max_seq_len, is_ragged=is_ragged)
+        super().__init__(params, max_batch_size, max_seq_len, num_layers, devices, session, is_ragged)
         if params.data_parallel_degree != 1:
             raise ValueError(
                 f"data_parallel_degree={params.data_parallel_degree}: build one manager per replica (params.copy_as_dp_1(r))"
@@ -127,9 +134,9 @@ class ContinuousBatchingKVCacheManager(KVCacheManager[T]):
         params: KVCacheParams,
         max_batch_size: int,
         max_seq_len: int,
-        num_layers: int | None = None,
-        available_cache_memory: int | None = None,
-        devices: Sequence[DeviceRef] | None = None,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[DeviceRef],
         **kwargs: Any,
     ) -> int:
         """Bytes of ``max_batch_size + 1`` slots of `max_seq_len` tokens (the +1 is the null slot)."""
@@ -143,16 +150,15 @@ class ContinuousBatchingKVCacheManager(KVCacheManager[T]):
         cls,
         params: KVCacheParams,
         max_seq_len: int,
-        num_layers: int | None = None,
-        available_cache_memory: int | None = None,
-        devices: Sequence[DeviceRef] | None = None,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[DeviceRef],
         **kwargs: Any,
     ) -> int:
         """Slots of `max_seq_len` that fit in `available_cache_memory` next to the null slot."""
         check_redundant_args(params, num_layers, devices)
         check_int("max_seq_len", max_seq_len, 1)
-        if available_cache_memory is None:
-            raise ValueError("available_cache_memory is required (bytes)")
+        check_int("available_cache_memory", available_cache_memory, 0)
         slot = dataclasses.replace(params, page_size=max_seq_len).bytes_per_block
         slots = available_cache_memory // slot - 1
         if slots < 1:

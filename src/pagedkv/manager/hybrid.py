@@ -49,7 +49,7 @@ _FULL = (FullAttentionManager, MLAAttentionManager)
 
 def group_names(params: KVCacheParamInterface) -> list[str]:
     """Group names in group order: the children of a flat tree, or ``["cache"]``."""
-    if isinstance(params, KVCacheParams):
+    if not isinstance(params, MultiKVCacheParams):
         return ["cache"]
     if any(isinstance(c, MultiKVCacheParams) for c in params.children.values()):
         raise ValueError("a hybrid MultiKVCacheParams must be flat: one KVCacheParams child per group")

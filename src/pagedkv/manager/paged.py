@@ -4,6 +4,7 @@ Each data-parallel replica has its own `BlockManager` (page ids, prefix cache)
 and its own page buffers; a replica's TP shards share its page ids, lookup
 table and cache lengths. Usage::
 
+    mgr = PagedKVCacheManager(params, None, total_num_pages=64, max_batch_size=8)
     mgr.claim(ctx.request_id, replica_idx=0)
     mgr.alloc(ctx, replica_idx=0)                   # prefix hits + new pages
     inputs = mgr.runtime_inputs([[ctx]])            # tensors for the model
@@ -14,6 +15,7 @@ table and cache lengths. Usage::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -31,12 +33,13 @@ from pagedkv.dtype import DeviceRef
 from pagedkv.interface.bridge import params_from_kv_cache_config
 from pagedkv.interface.config import KVCacheConfig
 from pagedkv.manager import checks, hybrid
+from pagedkv.manager.base import check_redundant_args
 from pagedkv.manager.hybrid import ReplicaBookkeeping
 from pagedkv.manager.swap import SwappedRequests
 from pagedkv.manager.tiering import Tiering
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.ops.page_copy import copy_page_slots
-from pagedkv.params import KVConnectorType
+from pagedkv.params import BatchCharacteristics, KVConnectorType
 from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer
 from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs
 from pagedkv.runtime.transfer import tables_to_device
@@ -50,6 +53,10 @@ class PagedKVCacheManager:
 
     Args:
         params: `KVCacheParams`, or `MultiKVCacheParams` for a model with several caches.
+        session: MAX's `InferenceSession` slot, kept for signature compatibility (seed 003) and
+            stored as `self.session`; pagedkv allocates with torch and never uses it. Pass None
+            (or any object, e.g. a MAX session). An int is refused with TypeError: it is the
+            pre-seed call ``PagedKVCacheManager(params, total_num_pages, ...)``.
         total_num_pages: device pages per replica (the null page comes on top).
         total_num_host_pages: host pages per replica; needs a host tier connector.
         enable_runtime_checks: run `check_integrity()` after every mutating call.
@@ -59,16 +66,19 @@ class PagedKVCacheManager:
     def __init__(
         self,
         params: KVCacheParamInterface,
+        session: Any,
         total_num_pages: int,
         total_num_host_pages: int = 0,
         enable_runtime_checks: bool = False,
         *,
         max_batch_size: int,
     ) -> None:
+        checks.check_session(session)
         checks.check_manager(params, total_num_pages, total_num_host_pages, enable_runtime_checks, max_batch_size)
         if total_num_host_pages and params.kv_connector in (None, KVConnectorType.null):
             raise ValueError(f"total_num_host_pages={total_num_host_pages} needs a local, tiered or redis kv_connector")
         self.params = params
+        self.session = session
         self.total_num_pages = total_num_pages
         self.total_num_host_pages = total_num_host_pages
         self.max_batch_size = max_batch_size
@@ -95,7 +105,7 @@ class PagedKVCacheManager:
         """A manager with as many pages as `available_cache_memory` bytes hold (see `pagedkv.core.memory`)."""
         pages = memory.compute_num_device_blocks(params, available_cache_memory, max_batch_size, max_seq_len)
         host_pages = memory.compute_num_host_blocks(params)
-        return cls(params, pages, host_pages, enable_runtime_checks, max_batch_size=max_batch_size)
+        return cls(params, None, pages, host_pages, enable_runtime_checks, max_batch_size=max_batch_size)
 
     @classmethod
     def from_kv_cache_config(
@@ -114,7 +124,7 @@ class PagedKVCacheManager:
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         params = params_from_kv_cache_config(config, devices, **params_kwargs)
         tree: KVCacheParamInterface = params.leaves()[0] if len(config.kv_cache_groups) == 1 else params
-        return cls(tree, config.num_blocks, 0, enable_runtime_checks, max_batch_size=max_batch_size)
+        return cls(tree, None, config.num_blocks, 0, enable_runtime_checks, max_batch_size=max_batch_size)
 
     # ----------------------------------------------------------------- request lifecycle
     def _bm(self, replica_idx: int) -> ReplicaBookkeeping:
@@ -218,7 +228,11 @@ class PagedKVCacheManager:
         checks.check_batches(batches, self.num_replicas)
 
     def runtime_inputs(
-        self, batches: Sequence[Sequence[TextContext]], *, max_cache_length: int | None = None
+        self,
+        batches: Sequence[Sequence[TextContext]],
+        *,
+        max_cache_length: int | None = None,
+        batch_characteristics: BatchCharacteristics | None = None,
     ) -> KVCacheInputs:
         """Tensors for one forward pass: a `KVCacheInputs` whose `.inputs` has one
         `RaggedKVCacheInputs` per device, replica-major (a `MultiKVCacheInputs`
@@ -226,21 +240,37 @@ class PagedKVCacheManager:
         table and cache lengths). No bookkeeping changes, except that with
         ``enable_partial_page_reuse`` the pending page copies are taken and applied.
 
-        Raises ValueError when a request has no pages for its tokens (call
-        `alloc`), a batch exceeds `max_batch_size`, or `max_cache_length` is too small.
+        `max_cache_length` sizes the lookup tables for that many tokens (at least what the
+        batch needs). `batch_characteristics` gives upper bounds applied to every replica alike
+        (graph-capture replay): each replica's ``max_lengths`` holds its `max_prompt_length` and
+        `max_cache_valid_length`, and without `max_cache_length` every lookup table is
+        `max_cache_valid_length` tokens wide; rows and cache lengths stay the real ones.
+
+        Raises RuntimeError (`MissingPagesError`, also a ValueError) when a request holds too few
+        pages for its tokens (call `alloc`); ValueError when a batch exceeds `max_batch_size`,
+        `max_cache_length` is too small, or a replica's real batch size, longest prompt or longest
+        cache exceeds the `batch_characteristics` field bounding it.
         """
         self._check_batches(batches)
         for r, batch in enumerate(batches):
             if len(batch) > self.max_batch_size:
                 raise ValueError(f"replica {r} batch of {len(batch)} exceeds max_batch_size={self.max_batch_size}")
+        if batch_characteristics is not None:
+            checks.check_batch_characteristics(batch_characteristics, batches, self.max_batch_size)
+            if max_cache_length is None:
+                max_cache_length = batch_characteristics.max_cache_valid_length
         self.tiers.before_forward()
+        bounds = batch_characteristics
         if self.hybrid:
             pairs = zip(self._managers, batches, strict=True)
-            tables = [hybrid.replica_tables(bm, list(batch), max_cache_length) for bm, batch in pairs]
+            tables = [
+                [_bounded(t, bounds) for t in hybrid.replica_tables(bm, list(batch), max_cache_length)]
+                for bm, batch in pairs
+            ]
             return hybrid.hybrid_inputs(self.params, self._buffers, tables)
         per_device: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for r, (bm, batch) in enumerate(zip(self._managers, batches, strict=True)):
-            per_device.extend(self._device_tables(r, bm.build_tables(list(batch), max_cache_length)))
+            per_device.extend(self._device_tables(r, _bounded(bm.build_tables(list(batch), max_cache_length), bounds)))
         if self.params.enable_partial_page_reuse:  # copy-on-write of partial-page hits, before the forward
             self._apply_page_copies()
         return self._assemble(self.params, self._buffers, per_device)
@@ -276,16 +306,22 @@ class PagedKVCacheManager:
             buf: KVCacheBuffer = buffers[r]
             scales = buf.scales[s] if buf.scales else None
             record = RaggedKVCacheInputs(buf.values[s], lengths, lut, max_lengths, scales)
-            records.append(record.with_policy(params.nonfinite_kv))
+            records.append(record.with_policy(params.leaves()[0].nonfinite_kv))  # (a leaf: itself)
         return KVCacheInputs(records)
 
     def runtime_inputs_for_leaf(
-        self, batches: Sequence[Sequence[TextContext]], *, max_cache_length: int | None = None
+        self,
+        batches: Sequence[Sequence[TextContext]],
+        *,
+        max_cache_length: int | None = None,
+        batch_characteristics: BatchCharacteristics | None = None,
     ) -> KVCacheInputs:
         """`runtime_inputs` for a single-cache model; TypeError for a multi-cache tree."""
         if isinstance(self.params, MultiKVCacheParams):
             raise TypeError("runtime_inputs_for_leaf needs KVCacheParams; this manager has MultiKVCacheParams")
-        return self.runtime_inputs(batches, max_cache_length=max_cache_length)
+        return self.runtime_inputs(
+            batches, max_cache_length=max_cache_length, batch_characteristics=batch_characteristics
+        )
 
     def get_device_buffer(self, replica_idx: int = 0) -> KVCacheBuffer | MultiKVCacheBuffer:
         """The replica's page buffers (a tree for multi-cache models).
@@ -454,14 +490,48 @@ class PagedKVCacheManager:
     # ----------------------------------------------------------------- planning
     @classmethod
     def estimated_memory_size(
-        cls, params: KVCacheParamInterface, available_cache_memory: int, max_batch_size: int, max_seq_len: int
+        cls,
+        params: KVCacheParamInterface,
+        max_batch_size: int,
+        max_seq_len: int,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[DeviceRef],
+        **kwargs: Any,
     ) -> int:
-        """Bytes the device pages will take for this budget and shape, over all replicas."""
+        """Bytes the device pages will take for this budget and shape, over all replicas.
+
+        The signature is `KVCacheManager.estimated_memory_size`'s (seed 001). `num_layers` and
+        `devices` repeat what `params` says and must match it (ValueError otherwise; for a
+        `MultiKVCacheParams` tree `num_layers` is the sum over its caches); `kwargs` are
+        accepted and ignored, as in MAX.
+        """
+        check_redundant_args(params, num_layers, devices)
         return memory.estimated_memory_size(params, available_cache_memory, max_batch_size, max_seq_len)
 
     @classmethod
     def infer_optimal_batch_size(
-        cls, params: KVCacheParamInterface, max_seq_len: int, available_cache_memory: int
+        cls,
+        params: KVCacheParamInterface,
+        max_seq_len: int,
+        num_layers: int,
+        available_cache_memory: int,
+        devices: Sequence[DeviceRef],
+        **kwargs: Any,
     ) -> int:
-        """Largest batch whose sequences all reach `max_seq_len` without preemption."""
+        """Largest batch whose sequences all reach `max_seq_len` without preemption.
+
+        The signature is `KVCacheManager.infer_optimal_batch_size`'s (seed 001); `num_layers` and
+        `devices` must match `params` as in `estimated_memory_size`; `kwargs` are ignored.
+        """
+        check_redundant_args(params, num_layers, devices)
         return memory.infer_optimal_batch_size(params, max_seq_len, available_cache_memory)
+
+
+def _bounded(tables: BatchTables, bounds: BatchCharacteristics | None) -> BatchTables:
+    """`tables` with the ``max_lengths`` values replaced by the upper bounds (already checked)."""
+    if bounds is None:
+        return tables
+    return dataclasses.replace(
+        tables, max_prompt_length=bounds.max_prompt_length, max_cache_length=bounds.max_cache_valid_length
+    )

@@ -152,6 +152,19 @@ class KVCacheBuffer:
         """Pages per buffer (null page included)."""
         return self.values[0].shape[0]
 
+    @property
+    def page_size(self) -> int:
+        """Tokens per page, read from the layout (seed 002), so a connector can offload the cache
+        without its `KVCacheParams`: dim 3 of values laid out
+        ``[pages, kv_dim, num_layers, page_size, heads, head_dim]`` (what `allocate_buffers` makes).
+        ValueError for values of another rank, whose page size the buffer alone does not say."""
+        shape = tuple(self.values[0].shape)
+        if len(shape) != 6:
+            raise ValueError(
+                f"page_size needs values shaped [pages, kv_dim, num_layers, page_size, heads, head_dim]; got {shape}"
+            )
+        return int(shape[3])
+
     def to_memory(self) -> list[KVCacheMemory]:
         """Offload units: values then scales; one unit per shard, or one replicated unit per kind."""
         units: list[KVCacheMemory] = []
@@ -181,6 +194,11 @@ class MultiKVCacheBuffer:
     def total_num_pages(self) -> int:
         """Pages per buffer (shared by every cache)."""
         return next(iter(self.children.values())).total_num_pages
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page (shared by every cache; see `KVCacheBuffer.page_size`)."""
+        return next(iter(self.children.values())).page_size
 
     def to_memory(self) -> list[KVCacheMemory]:
         """Every child's units, concatenated in tree order."""

@@ -39,7 +39,7 @@ class PagedKVAdapter:
 
     def __init__(self, name: str, params: KVCacheParams, num_pages: int, max_num_seqs: int = 256) -> None:
         self.name = name
-        self.mgr = PagedKVCacheManager(params, num_pages, max_batch_size=max_num_seqs)
+        self.mgr = PagedKVCacheManager(params, None, num_pages, max_batch_size=max_num_seqs)
         bm = self.mgr._managers[0]
         assert isinstance(bm, BlockManager)  # (the compare workloads are single-group)
         self.bm = bm
