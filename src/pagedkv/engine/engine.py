@@ -4,7 +4,8 @@ One step = schedule -> forward -> sample -> update -> commit -> release:
 
     batch  = scheduler.schedule()                       # windows: decodes + prefill chunks
     inputs = manager.runtime_inputs([ctxs])             # lookup table, cache lengths (copied to the device once)
-    ctx    = ForwardContext.build(inputs, ...)          # per group, once: options, checks, metadata, positions
+    ctx    = ForwardContext.build(inputs, ...)          # per group, once: options, checks, metadata, positions;
+                                                        # per step: per-request position features (hf.positions)
     logits = model(ids [1, T], position_ids=ctx.positions [1, T], pagedkv=ctx)
     each request whose window reached its last token samples one token; ctx.update(...)
     manager.step([ctxs]); finished requests are released
@@ -29,6 +30,7 @@ from pagedkv.engine.scheduler import Scheduler
 from pagedkv.hf.attention import register
 from pagedkv.hf.config import kv_layout
 from pagedkv.hf.context import ATTENTION_NAME, ForwardContext
+from pagedkv.hf.rope import install as install_positions
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheQuantizationConfig
 from pagedkv.runtime.inputs import MultiKVCacheInputs
@@ -82,6 +84,7 @@ class LLMEngine:
         if manager.num_replicas != 1 or len(manager.params.devices) != 1:
             raise ValueError("LLMEngine drives one replica on one device")
         self.model = model
+        install_positions(model)  # length-dependent RoPE per request (`pagedkv.hf.rope`)
         self.manager = manager
         self.layer_map = dict(layer_map or {})
         self._group_params = manager.params.leaves()
@@ -278,7 +281,11 @@ class LLMEngine:
         ids = np.concatenate([c.tokens.active for c in ctxs]).astype(np.int64)  # [T]
         offsets = np.zeros(len(ctxs) + 1, dtype=np.int64)  # [B + 1]
         np.cumsum([c.tokens.active_length for c in ctxs], out=offsets[1:])
-        context = ForwardContext.build(inputs, self._group_params, torch.from_numpy(offsets), len(ids), self.layer_map)
+        lengths = torch.tensor([len(c.tokens) for c in ctxs], dtype=torch.int64)  # [B]: prompt + generated
+        context = ForwardContext.build(
+            inputs, self._group_params, torch.from_numpy(offsets), len(ids), self.layer_map,
+            sequence_lengths=lengths, model_config=getattr(self.model, "config", None),
+        )  # fmt: skip
         with torch.inference_mode():
             out = self.model(
                 input_ids=torch.from_numpy(ids).to(self.device)[None],

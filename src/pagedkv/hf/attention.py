@@ -58,6 +58,8 @@ def pagedkv_attention(
             f"layer {module.layer_idx} attends a window of {window} but its cache keeps {group.params.sliding_window}"
         )
     q = query[0].transpose(0, 1)  # [T, H_q, D]
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        q = _own_temperature(q, ctx)  # [T, H_q, D]
     k = key[0].transpose(0, 1)  # [T, H_kv, D]
     v = value[0].transpose(0, 1)  # [T, H_kv, D]
     group.step.store(k, v, slot)
@@ -65,6 +67,21 @@ def pagedkv_attention(
         q, slot, scale=scaling, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux")
     )  # [T, H_q, D]
     return out.unsqueeze(0), None  # [1, T, H_q, D]
+
+
+def _own_temperature(q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    """Llama 4 NoPE queries q [T, H_q, D] scaled for each token's own position, not its packed index.
+
+    transformers scaled them by ``f(arange(T))``; ``ctx.query_scale`` [T, 1, 1] is ``f(position) / f(arange(T))``
+    (`pagedkv.hf.positions`), applied in float32 as transformers applies its scale. Raises ValueError when the
+    context was built without the model config (so without the factor).
+    """
+    if ctx.query_scale is None:
+        raise ValueError(
+            "this Llama 4 layer tunes its attention temperature by position: build the ForwardContext with "
+            "model_config=model.config (LLMEngine does)"
+        )
+    return (q.float() * ctx.query_scale).to(q.dtype)  # [T, H_q, D]
 
 
 def _special_attention(module: torch.nn.Module) -> Any:

@@ -12,10 +12,12 @@ all read this module's types; it imports none of them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from pagedkv import ops
+from pagedkv.hf.positions import temperature_correction, uses_temperature_tuning
 from pagedkv.ops.masks import AttentionOptions
 from pagedkv.ops.metadata import PagedMetadata
 from pagedkv.params import KVCacheParams
@@ -67,11 +69,19 @@ class ForwardContext:
         groups: one `GroupContext` per page-table group.
         input_row_offsets: int [B + 1], where each request's tokens start on the packed axis.
         layer_map: model layer index -> (group, layer slot in the group); empty means group 0, slot = index.
+        sequence_lengths: int64 [B] on the host, each request's whole length at this step (prompt plus
+            generated tokens: what transformers' one-pass prefill or decode step sees); None means each
+            request's last position of the step + 1. Length-dependent RoPE follows it (`pagedkv.hf.positions`).
+        query_scale: float32 [T, 1, 1], the factor Llama 4's temperature-tuned (NoPE) layers' queries need
+            to carry each token's own position's scale (`positions.temperature_correction`); None when the
+            model config given to `build` has no temperature tuning (or no config was given).
     """
 
     groups: list[GroupContext]
     input_row_offsets: torch.Tensor
     layer_map: dict[int, tuple[int, int]] = field(default_factory=dict)
+    sequence_lengths: torch.Tensor | None = None
+    query_scale: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -81,12 +91,20 @@ class ForwardContext:
         input_row_offsets: torch.Tensor,
         num_tokens: int,
         layer_map: dict[int, tuple[int, int]] | None = None,
+        *,
+        sequence_lengths: torch.Tensor | None = None,
+        model_config: Any = None,
     ) -> ForwardContext:
         """A context for one device: `inputs[g]` and `params[g]` per group, `num_tokens` packed tokens.
 
         Per group, once: the attention options, the argument checks and the metadata
         (`ops.PagedStep.build`). Groups whose inputs share one ``cache_lengths`` tensor (the
         decoder groups of a hybrid model) share one computation of the token positions.
+        `sequence_lengths` (int [B], host): each request's whole length at this step (see the
+        attribute). `model_config` (the transformers config): its position-dependent features
+        are computed here, once per step, from each token's own position (`pagedkv.hf.positions`);
+        without it a temperature-tuned Llama 4 layer refuses to run. Raises ValueError when
+        `sequence_lengths` does not have one entry per request.
         """
         offsets = input_row_offsets.to(inputs[0].cache_lengths.device)  # [B + 1]
         groups: list[GroupContext] = []
@@ -98,7 +116,28 @@ class ForwardContext:
             )
             positions.setdefault(key, step.metadata)
             groups.append(GroupContext(group_params, step))
-        return cls(groups, offsets, dict(layer_map or {}))
+        lengths = None
+        if sequence_lengths is not None:
+            lengths = torch.as_tensor(sequence_lengths, dtype=torch.int64, device="cpu")  # [B]
+            if lengths.shape != (offsets.shape[0] - 1,):
+                raise ValueError(f"sequence_lengths has shape {tuple(lengths.shape)}; {offsets.shape[0] - 1} requests")
+        ctx = cls(groups, offsets, dict(layer_map or {}), lengths)
+        if model_config is None or not uses_temperature_tuning(model_config):
+            return ctx
+        scale = temperature_correction(model_config, ctx.positions)  # [T, 1, 1]
+        return cls(groups, offsets, ctx.layer_map, lengths, scale)
+
+    @property
+    def token_sequence_lengths(self) -> torch.Tensor:
+        """int64 [T] on the host: the sequence length (see `sequence_lengths`) of each packed token's request."""
+        offsets = self.input_row_offsets.cpu()  # [B + 1]
+        lengths = self.sequence_lengths
+        if lengths is None:  # each request's last position of the step + 1
+            causal = next((g for g in self.groups if g.options.causal), None)
+            if causal is None:
+                raise ValueError("this forward context has no causal page-table group, so no sequence lengths")
+            lengths = causal.metadata.kv_lengths.cpu()  # [B]
+        return torch.repeat_interleave(lengths, offsets[1:] - offsets[:-1])  # [T]
 
     @property
     def positions(self) -> torch.Tensor:

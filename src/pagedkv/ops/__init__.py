@@ -126,6 +126,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     v_head_dim: int | None = None,
     causal: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the ragged batch's queries [T, H_q, D] over the paged cache of `layer`: [T, H_q, Dv].
 
@@ -143,14 +144,18 @@ def paged_attention(
     * ``v_head_dim=Dv``: values are the first Dv elements of the V slot (MLA:
       of the latent key), output [T, H_q, Dv] (default Dv = D);
     * ``causal=False``: cross-attention, each query sees exactly the request's
-      ``cache_lengths[b]`` cached keys (build `metadata` with ``causal=False``).
+      ``cache_lengths[b]`` cached keys (build `metadata` with ``causal=False``);
+    * ``alibi_slopes`` [H_q] (ALiBi: Bloom, MPT, Falcon): query head h adds
+      ``alibi_slopes[h] * (k - q)`` to the logit of key position k after the
+      scale and softcap (Falcon: pass its slopes times the scale; see
+      `pagedkv.ops.masks`).
 
     Raises ValueError on an invalid option, metadata of the other causality,
     or a forced Triton backend with any option set, and TypeError / ValueError
     for arguments of the wrong type, shape or device (`pagedkv.ops.checks`).
     """
     check_attention(query, inputs, input_row_offsets, layer, scale, softcap, metadata)
-    options = AttentionOptions(sliding_window, chunk_size, sink_tokens, sinks, v_head_dim, causal)
+    options = AttentionOptions(sliding_window, chunk_size, sink_tokens, sinks, v_head_dim, causal, alibi_slopes)
     options.check(query.shape[1], inputs.blocks.shape[5])
     if metadata is not None and metadata.causal != causal:
         raise ValueError(f"causal={causal} but the metadata was built with causal={metadata.causal}")
@@ -173,6 +178,7 @@ def _attend(
             query, inputs.blocks, inputs.lookup_table, inputs.cache_lengths, input_row_offsets, layer, scale,
             softcap, inputs.kv_scales, sliding_window=options.sliding_window, chunk_size=options.chunk_size,
             sink_tokens=options.sink_tokens, sinks=options.sinks, v_head_dim=options.v_head_dim, causal=options.causal,
+            alibi_slopes=options.alibi_slopes,
         )  # fmt: skip  # [T, H_q, Dv]
     meta = metadata or PagedMetadata.build(inputs, input_row_offsets, query.shape[0], causal=options.causal)
     unsupported = options.enabled
@@ -225,13 +231,21 @@ class PagedStep:
         """Check the step's arguments and build its metadata (see `PagedMetadata.build` for the keywords).
 
         `options` (default: plain causal attention) must not carry per-layer `sinks`; pass those to `attend`.
+        ALiBi `options.alibi_slopes` [H_q] (the same for every layer) belong here; `attend` then takes
+        queries of H_q heads only.
         Raises TypeError / ValueError like `store_kv` and `paged_attention` do for these arguments.
         """
         options = options or AttentionOptions()
         blocks = check_step(inputs, input_row_offsets)
         if options.sinks is not None:
             raise ValueError("PagedStep options take no sinks: learned sinks are per layer, pass them to attend()")
-        options.check(blocks.shape[4], blocks.shape[5])
+        num_q_heads = blocks.shape[4]  # H_q is the layers' (sinks come per layer); ALiBi slopes name it
+        slopes = options.alibi_slopes
+        if isinstance(slopes, torch.Tensor) and slopes.dim() == 1:
+            num_q_heads = slopes.shape[0]
+            if num_q_heads % blocks.shape[4]:
+                raise ValueError(f"alibi_slopes has {num_q_heads} heads, not a multiple of H_kv={blocks.shape[4]}")
+        options.check(num_q_heads, blocks.shape[5])
         metadata = PagedMetadata.build(
             inputs, input_row_offsets, num_tokens, causal=options.causal, positions_of=positions_of
         )
@@ -263,6 +277,10 @@ class PagedStep:
         if not 0 <= layer < self.inputs.blocks.shape[2]:  # the one per-layer argument
             raise ValueError(f"layer={layer} must be in [0, {self.inputs.blocks.shape[2]}) (the cache's layers)")
         options = self.options
+        if options.alibi_slopes is not None and query.shape[1] != options.alibi_slopes.shape[0]:
+            raise ValueError(
+                f"query has {query.shape[1]} heads but the step's alibi_slopes {options.alibi_slopes.shape[0]}"
+            )
         if sinks is not None or v_head_dim is not None:
             options = dataclasses.replace(options, sinks=sinks, v_head_dim=v_head_dim)
         return _attend(query, self.inputs, self.input_row_offsets, layer, scale, softcap, self.metadata, options)

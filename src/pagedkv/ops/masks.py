@@ -22,6 +22,13 @@ probability is dropped, so it adds no value. ``v_head_dim=Dv`` reads values as t
 Dv elements of the V slot (MLA's single slot: values are the first Dv elements of the
 key) and the output is ``[T, H_q, Dv]``. A query with no visible key (cross-attention
 over an empty cache) outputs zeros.
+
+``alibi_slopes [H_q]`` (ALiBi): query head h adds ``alibi_slopes[h] * (k - q)`` (key
+position minus query position, float32) to each visible key's logit, after the scale and
+the softcap and before the softmax (and the learned sink, which gets no bias). Softmax is
+shift invariant per query, so this equals transformers' Bloom (``slope * k`` added to the
+scaled logits) and MPT (``slope * (k - (max_seq_len - 1))``) with their slopes as given;
+Falcon adds ``slope * k`` *before* scaling, so pass Falcon's slopes times the scale.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ class AttentionOptions:
     sinks: torch.Tensor | None = None
     v_head_dim: int | None = None
     causal: bool = True
+    alibi_slopes: torch.Tensor | None = None
 
     def check(self, num_q_heads: int, head_dim: int) -> None:
         """Raise TypeError / ValueError on an invalid or contradictory option."""
@@ -59,6 +67,11 @@ class AttentionOptions:
                 raise ValueError(f"v_head_dim={self.v_head_dim} must be at most head_dim={head_dim}")
         if self.sinks is not None and tuple(self.sinks.shape) != (num_q_heads,):
             raise ValueError(f"sinks shape {tuple(self.sinks.shape)} != [H_q={num_q_heads}]")
+        if self.alibi_slopes is not None:
+            if not isinstance(self.alibi_slopes, torch.Tensor) or not self.alibi_slopes.is_floating_point():
+                raise TypeError(f"alibi_slopes must be a floating-point tensor [H_q], got {self.alibi_slopes!r}")
+            if tuple(self.alibi_slopes.shape) != (num_q_heads,):
+                raise ValueError(f"alibi_slopes shape {tuple(self.alibi_slopes.shape)} != [H_q={num_q_heads}]")
         if not isinstance(self.causal, bool):
             raise TypeError(f"causal={self.causal!r} must be a bool")
         if not self.causal and (self.local or self.sink_tokens):
@@ -73,7 +86,7 @@ class AttentionOptions:
     def enabled(self) -> tuple[str, ...]:
         """Names of the options that are on (what the Triton decode kernel does not implement)."""
         names = []
-        for name in ("sliding_window", "chunk_size", "sinks", "v_head_dim"):
+        for name in ("sliding_window", "chunk_size", "sinks", "v_head_dim", "alibi_slopes"):
             if getattr(self, name) is not None:
                 names.append(name)
         if self.sink_tokens:
@@ -106,3 +119,7 @@ class AttentionOptions:
     def sink_logits(self, device: torch.device) -> torch.Tensor | None:
         """The learned sinks as float32 [H_q] on `device` (None when off)."""
         return None if self.sinks is None else self.sinks.to(device=device, dtype=torch.float32)
+
+    def alibi(self, device: torch.device) -> torch.Tensor | None:
+        """The ALiBi slopes as float32 [H_q] on `device` (None when off)."""
+        return None if self.alibi_slopes is None else self.alibi_slopes.to(device=device, dtype=torch.float32)

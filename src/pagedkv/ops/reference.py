@@ -92,6 +92,7 @@ def paged_attention_reference(
     sinks: torch.Tensor | None = None,
     v_head_dim: int | None = None,
     causal: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each query token over the keys its mask lets it see (`pagedkv.ops.masks`).
 
@@ -100,7 +101,8 @@ def paged_attention_reference(
     `sink_tokens`), or, when not `causal`, exactly the cached positions
     0..cache_lengths[b] - 1. Query head h reads KV head ``h // (H_q // H_kv)``
     (GQA). Logits are ``q.k * scale`` (default 1/sqrt(D)), then ``softcap *
-    tanh(logits / softcap)`` if `softcap` is set; learned `sinks` [H_q] join
+    tanh(logits / softcap)`` if `softcap` is set, plus ``alibi_slopes[h] * (k - p)``
+    for key position k if `alibi_slopes` [H_q] is set; learned `sinks` [H_q] join
     the softmax as one more logit whose probability is dropped. Values are the
     first `v_head_dim` (default D) elements of the V slot. Only visible keys
     enter the sums, so whatever other slots hold (NaN included) never matters;
@@ -111,7 +113,9 @@ def paged_attention_reference(
     num_kv_heads = kv_blocks.shape[4]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
-    AttentionOptions(sliding_window, chunk_size, sink_tokens, sinks, v_head_dim, causal).check(num_q_heads, head_dim)
+    AttentionOptions(sliding_window, chunk_size, sink_tokens, sinks, v_head_dim, causal, alibi_slopes).check(
+        num_q_heads, head_dim
+    )
     group = num_q_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     v_dim = head_dim if v_head_dim is None else v_head_dim
@@ -132,6 +136,8 @@ def paged_attention_reference(
                 logits = keys[index, h // group] @ q * scale  # [visible]
                 if softcap is not None:
                     logits = softcap * torch.tanh(logits / softcap)
+                if alibi_slopes is not None:  # slope * (key position - query position)
+                    logits = logits + float(alibi_slopes[h]) * (index - q_pos).float().to(logits.device)  # [visible]
                 if sinks is None:
                     weights = torch.softmax(logits, dim=0)  # [visible]
                 else:

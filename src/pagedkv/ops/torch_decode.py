@@ -7,6 +7,7 @@ of pages at a time, into a buffer reused for the whole call with one
 attends each chunk with the GQA group folded into the query axis (``[H_kv, group,
 D]``, much faster on CPU than ``enable_gqa=True``); chunks are merged by their
 logsumexp, and learned sinks join the merge as one more chunk with zero output.
+ALiBi slopes add ``slope * (k - q)`` to each chunk's logits (the explicit path, not flash).
 So a token's cost scales with what it sees, and pages outside its ranges (the null
 page of a windowed cache's freed pages included) are never read. Values always run
 at the full head_dim (MLA: the whole latent slot) and `v_head_dim` slices the result.
@@ -65,6 +66,9 @@ def decode_loop(
     sink_lse = None if sinks is None else sinks.view(num_kv_heads, -1)  # [H_kv, g]
     ranges = _token_ranges(meta, options)
     requests = meta.token_request.tolist()
+    slopes = options.alibi(query.device)  # float32 [H_q] or None
+    head_slopes = None if slopes is None else slopes.view(num_kv_heads, -1, 1)  # [H_kv, g, 1]
+    q_positions = meta.token_position.tolist() if slopes is not None else []
     spans = [-(-e // page_size) - s // page_size for token in ranges for s, e in token]
     itemsize = max(kv_blocks.element_size(), dtype.itemsize)  # FP8 pages are read as float32
     page_bytes = kv_dim * page_size * num_kv_heads * head_dim * itemsize
@@ -91,7 +95,11 @@ def decode_loop(
                     x = dequantize(x, s.view(kv_dim, x.shape[1], num_kv_heads, -1))  # float32
                 base = (first + c0) * page_size  # position of x[:, 0]
                 x = x[:, max(start - base, 0) : end - base].to(dtype)  # [kv_dim, S_c, H_kv, D]
-                parts.append(_attend_chunk(q_t, x[0], x[-1], scale, softcap))
+                bias = None
+                if head_slopes is not None:  # slope * (key position - query position)
+                    k_pos = torch.arange(x.shape[1]) + (max(start, base) - q_positions[t])  # [S_c]
+                    bias = head_slopes * k_pos.float()  # [H_kv, g, S_c]
+                parts.append(_attend_chunk(q_t, x[0], x[-1], scale, softcap, bias))
         if parts and sink_lse is not None:
             parts.append((torch.zeros(parts[0][0].shape), sink_lse))  # the sink: probability mass, no value
         if parts:
@@ -100,15 +108,25 @@ def decode_loop(
 
 
 def _attend_chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [1, H_kv, g, D] over every key of k, v [S, H_kv, D]: (output [H_kv, g, D], float32 logsumexp [H_kv, g])."""
-    if softcap is None and _FLASH is not None:
+    """q [1, H_kv, g, D] over every key of k, v [S, H_kv, D]: (output [H_kv, g, D], float32 logsumexp [H_kv, g]).
+
+    `bias` float32 [H_kv, g, S] (ALiBi) is added to the logits after the softcap.
+    """
+    if softcap is None and bias is None and _FLASH is not None:
         o, lse = _FLASH(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scale)  # [1, H_kv, g, D]
         return o[0], lse[0]
     logits = torch.matmul(q[0].float(), k.float().permute(1, 2, 0)) * scale  # [H_kv, g, S]
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
+    if bias is not None:
+        logits = logits + bias  # [H_kv, g, S]
     o = torch.matmul(torch.softmax(logits, dim=-1), v.float().transpose(0, 1))  # [H_kv, g, D]
     return o, torch.logsumexp(logits, dim=-1)
 

@@ -5,8 +5,9 @@ see (with a sliding window or chunk: the sink-token pages plus the pages from th
 first query's window start, so the cost scales with the window, not the context), in
 groups small enough that the float32 K/V and logits stay within ``_CHUNK_BYTES``, and
 attend in float32 under a boolean mask built from `AttentionOptions.key_ranges`:
-SDPA, or explicit matmuls when a softcap or learned sinks are set (the sink column is
-appended exactly as transformers' gpt-oss eager attention does). Gathered keys no
+SDPA, or explicit matmuls when a softcap, learned sinks or ALiBi slopes are set (the sink
+column is appended exactly as transformers' gpt-oss eager attention does; the ALiBi bias
+``slope * (k - q)`` is added after the softcap). Gathered keys no
 query of the request may see (stale slots, the null page standing in for a windowed
 cache's freed pages) are zeroed, so not even NaN reaches the output. No host sync on
 CUDA: the padded sizes come from the metadata's host ints.
@@ -45,7 +46,7 @@ def padded_attention(
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads, page_size, device = kv_blocks.shape[4], meta.page_size, query.device
     batch, v_index = meta.num_requests, kv_blocks.shape[1] - 1
-    sinks = options.sink_logits(device)
+    sinks, slopes = options.sink_logits(device), options.alibi(device)  # float32 [H_q] each, or None
     local = torch.arange(num_tokens, device=device) - meta.input_row_offsets[meta.token_request]  # [T]
     q_pad = torch.zeros((batch, max_q, num_q_heads, head_dim), dtype=torch.float32, device=device)
     q_pad[meta.token_request, local] = query.float()  # [B, max_q, H_q, D]
@@ -77,7 +78,10 @@ def padded_attention(
             mask = (keys >= lo[rows]) & (keys < hi[rows])  # [G, Q, S]
             if sink_pages:  # sink pages may repeat window keys: there only ``k < sink_end`` counts
                 mask = torch.where(in_sink, keys < sink_end[rows], mask)
-            out_pad[rows] = _attend_masked(q_pad[rows], k, v, mask, scale, softcap, sinks)
+            alibi = None
+            if slopes is not None:  # (slopes [H_q], key position - query position [G, Q, S])
+                alibi = (slopes, (keys - q_pos[rows][..., None]).float())
+            out_pad[rows] = _attend_masked(q_pad[rows], k, v, mask, scale, softcap, sinks, alibi)
     v_dim = options.v_head_dim or head_dim
     return out_pad[meta.token_request, local, :, :v_dim].to(query.dtype)  # [T, H_q, Dv]
 
@@ -113,21 +117,22 @@ def _attend_masked(
     scale: float,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    alibi: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """float32 q [G, Q, H_q, D] over k, v [G, S, H_kv, D] where mask [G, Q, S] is True: returns [G, Q, H_q, D].
 
-    Rows with no visible key get zeros.
+    `alibi`: (slopes [H_q], key minus query position [G, Q, S]), both float32. Rows with no visible key get zeros.
     """
     groups, rows, num_q_heads, head_dim = q.shape
     num_kv_heads, keys = k.shape[2], k.shape[1]
     ratio = num_q_heads // num_kv_heads
     qh = q.view(groups, rows, num_kv_heads, ratio, head_dim).permute(0, 2, 3, 1, 4)  # [G, H_kv, g, Q, D]
     qh = qh.reshape(groups, num_kv_heads, ratio * rows, head_dim)  # [G, H_kv, g*Q, D]
-    if softcap is None and sinks is None:  # SDPA's fused kernel: no [G, H_q, Q, S] logits in memory
+    if softcap is None and sinks is None and alibi is None:  # SDPA's fused kernel: no [G, H_q, Q, S] logits in memory
         folded = mask[:, None].expand(groups, ratio, rows, keys).reshape(groups, 1, ratio * rows, keys)
         out = F.scaled_dot_product_attention(qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=folded, scale=scale)
     else:
-        out = _attend_explicit(qh, k, v, mask, scale, softcap, sinks)  # [G, H_kv, g*Q, D]
+        out = _attend_explicit(qh, k, v, mask, scale, softcap, sinks, alibi)  # [G, H_kv, g*Q, D]
     out = out.view(groups, num_kv_heads, ratio, rows, head_dim).permute(0, 3, 1, 2, 4)  # [G, Q, H_kv, g, D]
     out = out.reshape(groups, rows, num_q_heads, head_dim)
     return out.masked_fill(~mask.any(dim=-1)[..., None, None], 0.0)
@@ -141,9 +146,10 @@ def _attend_explicit(
     scale: float,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    alibi: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """float32 attention of qh [G, H_kv, g*Q, D] over k, v [G, S, H_kv, D], soft-capped and with sinks [H_q]
-    if given: returns [G, H_kv, g*Q, D]."""
+    """float32 attention of qh [G, H_kv, g*Q, D] over k, v [G, S, H_kv, D], soft-capped, with the ALiBi bias
+    (`alibi`: slopes [H_q], key minus query position [G, Q, S]) and sinks [H_q] if given: returns [G, H_kv, g*Q, D]."""
     groups, num_kv_heads, folded, _ = qh.shape
     keys, rows = k.shape[1], mask.shape[1]
     ratio = folded // rows
@@ -151,6 +157,9 @@ def _attend_explicit(
     logits = logits.view(groups, num_kv_heads, ratio, rows, keys)  # [G, H_kv, g, Q, S]
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
+    if alibi is not None:
+        slopes, delta = alibi
+        logits = logits + slopes.view(1, num_kv_heads, ratio, 1, 1) * delta[:, None, None]  # [G, H_kv, g, Q, S]
     logits = logits.masked_fill(~mask[:, None, None], float("-inf"))  # [G, H_kv, g, Q, S]
     if sinks is None:
         weights = torch.softmax(logits, dim=-1)
