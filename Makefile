@@ -8,6 +8,10 @@ PEERS_VENV := .venv-peers
 PEERS_BIN := $(PEERS_VENV)/bin
 PEERS_STAMP := $(PEERS_VENV)/.installed
 
+MAX_VENV := .venv-max
+MAX_BIN := $(MAX_VENV)/bin
+MAX_STAMP := $(MAX_VENV)/.installed
+
 .PHONY: demo test bench lint clean redis-server peers test-peers
 
 $(STAMP): pyproject.toml
@@ -48,10 +52,23 @@ $(PEERS_STAMP): requirements/peers-cpu.txt pyproject.toml
 	$(PEERS_BIN)/python -c "import torch, transformers; assert torch.__version__ == '2.13.0+cpu', torch.__version__; assert transformers.__version__ == '5.20.2', transformers.__version__"
 	touch $(PEERS_STAMP)
 
-peers: $(PEERS_STAMP)
+# Modular MAX 26.3.0 (the release that matches MAX's documented API) in its own venv: its pinned CPU
+# requirements (no torch), then CPU torch and pagedkv (--no-deps) for the differential test.
+$(MAX_STAMP): requirements/max-cpu.txt pyproject.toml
+	test -x $(MAX_BIN)/python || $(PYTHON) -m venv $(MAX_VENV)
+	$(MAX_BIN)/pip install -r requirements/max-cpu.txt
+	$(MAX_BIN)/pip install "torch==2.13.0" || \
+		$(MAX_BIN)/pip install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+	$(MAX_BIN)/pip install --no-deps -e .
+	$(MAX_BIN)/pip install xxhash hypothesis pytest
+	$(MAX_BIN)/python -c "import max.kv_cache, torch, pagedkv"
+	touch $(MAX_STAMP)
 
-test-peers: $(PEERS_STAMP)
-	PAGEDKV_REQUIRE_PEERS=1 $(PEERS_BIN)/python -m pytest tests/peers -q
+peers: $(PEERS_STAMP) $(MAX_STAMP)
+
+test-peers: $(PEERS_STAMP) $(MAX_STAMP)
+	PAGEDKV_REQUIRE_PEERS=1 $(PEERS_BIN)/python -m pytest tests/peers -q --ignore=tests/peers/test_max_differential.py
+	PAGEDKV_REQUIRE_PEERS=1 $(MAX_BIN)/python -m pytest tests/peers/test_max_differential.py -q
 
 bench: $(STAMP)
 	$(BIN)/pagedkv bench manager
@@ -62,4 +79,4 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(PEERS_VENV) $(MAX_VENV) build src/*.egg-info .pytest_cache
