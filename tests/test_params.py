@@ -112,7 +112,7 @@ def test_shapes_and_fp8_scales() -> None:
 def test_dtype_shorthand() -> None:
     assert make_params(dtype=DType.bfloat16).dtype_shorthand == "bf16"
     assert make_params(dtype=DType.float32).dtype_shorthand == "f32"
-    # Seed 000: "bf16" for bfloat16, "f32" otherwise (even for float16 and FP8).
+    # MAX's KVCacheParams: "bf16" for bfloat16, "f32" otherwise (even for float16 and FP8).
     assert make_params(dtype=DType.float16).dtype_shorthand == "f32"
 
 

@@ -1,14 +1,15 @@
-"""The seed API, exactly: every signature the seed documents name, checked with `inspect.signature`.
+"""MAX's and vLLM's documented API, exactly: every signature their reference pages print for
+`KVCacheParams`, `max.nn.kv_cache.manager`, `KVCacheBuffer`, `PagedKVCacheManager` and
+`vllm.v1.kv_cache_interface`, checked with `inspect.signature`.
 
-The signatures are transcribed from the seed pages (/work/shared/seeds/, not in the repository) as
-the text they print, e.g. ``(params, session, total_num_pages, ...)``; each table names its seed.
-Two rules:
+The signatures are transcribed from those pages as the text they print, e.g.
+``(params, session, total_num_pages, ...)``; each table names its page. Two rules:
 
-- EXACT rows: pagedkv's parameters are the seed's, same names, order, kinds and defaults.
-- COMPATIBLE rows: the seed's parameters come first, same names, order and kinds; where the seed
-  gives a default pagedkv has the same one (pagedkv may add a default where the seed has none,
-  e.g. ``replica_idx=0``); every extra parameter has a default. Code written against the seed
-  runs unchanged.
+- EXACT rows: pagedkv's parameters are the documented ones, same names, order, kinds and defaults.
+- COMPATIBLE rows: the documented parameters come first, same names, order and kinds; where the
+  documentation gives a default pagedkv has the same one (pagedkv may add a default where it has
+  none, e.g. ``replica_idx=0``); every extra parameter has a default. Code written against the
+  documentation runs unchanged.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pagedkv.runtime.inputs import KVCacheInputsSequence, PaddedKVCacheInputs, R
 
 EXACT, COMPATIBLE = "exact", "compatible"
 
-# Seed 000: max.nn.kv_cache.KVCacheParams.
+# MAX's KVCacheParams: max.nn.kv_cache.KVCacheParams.
 SEED_000: list[tuple[Any, str, str]] = [
     (
         KVCacheParams,
@@ -56,7 +57,7 @@ SEED_000_PROPERTIES = [
     "shape_per_block", "shape_per_scale_block", "tensor_parallel_degree",
 ]  # fmt: skip
 
-# Seed 001: max.nn.kv_cache.manager (KVCacheManager and its input records).
+# The documented API of max.nn.kv_cache.manager (KVCacheManager and its input records).
 SEED_001: list[tuple[Any, str, str]] = [
     (KVCacheManager, "(params, max_batch_size, max_seq_len, num_layers, devices, session, is_ragged=False)", EXACT),
     (ContinuousBatchingKVCacheManager, "(params, max_batch_size, max_seq_len, num_layers, devices, session, is_ragged=False)", EXACT),
@@ -76,7 +77,7 @@ SEED_001: list[tuple[Any, str, str]] = [
     (KVCacheInputsSequence, "(kv_cache_inputs)", EXACT),
     (PaddedKVCacheInputs, "(k_cache, v_cache, start_pos, null_op)", EXACT),
     (RaggedKVCacheInputs, "(blocks, cache_lengths, lookup_table, max_lengths)", COMPATIBLE),  # + kv_scales=None
-    # The same planning signatures on the concrete managers (seed 003 names none for PagedKVCacheManager).
+    # The same planning signatures on the concrete managers (MAX's documentation names none for PagedKVCacheManager).
     (ContinuousBatchingKVCacheManager.estimated_memory_size,
      "(params, max_batch_size, max_seq_len, num_layers, available_cache_memory, devices, **kwargs)", EXACT),
     (ContinuousBatchingKVCacheManager.infer_optimal_batch_size,
@@ -87,14 +88,14 @@ SEED_001: list[tuple[Any, str, str]] = [
      "(params, max_seq_len, num_layers, available_cache_memory, devices, **kwargs)", EXACT),
 ]  # fmt: skip
 
-# Seed 002: max.nn.kv_cache.KVCacheBuffer.
+# The documented API of max.nn.kv_cache.KVCacheBuffer.
 SEED_002: list[tuple[Any, str, str]] = [
     (KVCacheBuffer, "(replicates_kv_across_tp, values, scales=None)", EXACT),
     (KVCacheBuffer.to_memory, "()", EXACT),
 ]
 SEED_002_PROPERTIES = ["all_buffers", "page_size", "total_num_pages"]
 
-# Seed 003: max.pipelines.kv_cache.PagedKVCacheManager.
+# The documented API of max.pipelines.kv_cache.PagedKVCacheManager.
 P = PagedKVCacheManager
 SEED_003: list[tuple[Any, str, str]] = [
     (P, "(params, session, total_num_pages, total_num_host_pages=0, enable_runtime_checks=False, *, max_batch_size)", EXACT),
@@ -125,7 +126,7 @@ SEED_003: list[tuple[Any, str, str]] = [
     (BatchCharacteristics, "(batch_size, max_prompt_length, max_cache_valid_length)", EXACT),
 ]  # fmt: skip
 
-# Seed 004: vllm.v1.kv_cache_interface (the functions and methods it prints signatures for).
+# The documented API of vllm.v1.kv_cache_interface (the functions and methods it prints signatures for).
 SEED_004: list[tuple[Any, str, str]] = [
     (specs.KVCacheSpec.max_memory_usage_bytes, "(vllm_config)", EXACT),
     (specs.UniformTypeKVCacheSpecs.from_specs, "(kv_cache_specs)", EXACT),
@@ -188,10 +189,10 @@ def test_seed_properties(cls: type, names: list[str]) -> None:
 
 
 def test_param_interface_is_a_base_class() -> None:
-    """Seed 000: KVCacheParams has base KVCacheParamInterface (seed 003 types `params` with it)."""
+    """MAX's KVCacheParams: KVCacheParams has base KVCacheParamInterface (MAX's PagedKVCacheManager types `params` with it)."""
     assert issubclass(KVCacheParams, KVCacheParamInterface)
     assert issubclass(MultiKVCacheParams, KVCacheParamInterface)
-    assert isinstance(KVCacheManager.slots_remaining, property)  # seed 001
+    assert isinstance(KVCacheManager.slots_remaining, property)  # MAX's KVCacheManager
 
 
 def test_seed_004_names() -> None:
@@ -214,7 +215,7 @@ def test_session_positional_keyword_and_int_refused() -> None:
     by_keyword = PagedKVCacheManager(params, session=None, total_num_pages=16, max_batch_size=2)
     assert by_keyword.session is None and by_keyword.total_num_blocks() == 16
     assert PagedKVCacheManager(params, None, 8, 0, True, max_batch_size=2).enable_runtime_checks
-    with pytest.raises(TypeError, match="session=16 is an int"):  # the pre-seed order is refused, never guessed
+    with pytest.raises(TypeError, match="session=16 is an int"):  # the older order is refused, never guessed
         PagedKVCacheManager(params, 16, 4, max_batch_size=2)
     with pytest.raises(TypeError, match="total_num_pages"):
         PagedKVCacheManager(params, 16, max_batch_size=2)  # type: ignore[call-arg]

@@ -367,7 +367,7 @@ class KVCacheParams(KVCacheParamInterface):
 
     @property
     def dtype_shorthand(self) -> str:
-        """ "bf16" for bfloat16, "f32" otherwise (MAX's definition, seed 000, kept exactly)."""
+        """ "bf16" for bfloat16, "f32" otherwise (MAX's definition, kept exactly)."""
         return "bf16" if self.dtype == DType.bfloat16 else "f32"
 
     @property

@@ -94,7 +94,7 @@ class KVCacheSpec:
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size={self.block_size!r} must be an int >= 1")
 
-    # RFC #42082 vocabulary (seed 004): a page holds block_size / tokens_per_state states of
+    # RFC #42082 vocabulary: a page holds block_size / tokens_per_state states of
     # num_heads heads, each state_content_size_bytes bytes.
     @property
     def num_heads(self) -> int:
@@ -122,7 +122,7 @@ class KVCacheSpec:
         return self.page_size_bytes
 
     def max_memory_usage_bytes(self, vllm_config: SchedulerLimits) -> int:
-        """Most bytes one request can hold in this layer. `vllm_config` is named as in vLLM (seed 004)
+        """Most bytes one request can hold in this layer. `vllm_config` is named as in vLLM
         and takes the `SchedulerLimits` that stand in for vLLM's `VllmConfig`."""
         return self.max_admission_blocks_per_request(vllm_config) * self.page_size_bytes
 
@@ -261,7 +261,7 @@ class MLAAttentionSpec(FullAttentionSpec):
 
     @property
     def num_heads(self) -> int:
-        """1: the latent is headless (seed 004)."""
+        """1: the latent is headless."""
         return 1
 
     @property
@@ -321,7 +321,7 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
 
     @property
     def num_heads(self) -> int:
-        """1: the latent is headless (seed 004)."""
+        """1: the latent is headless."""
         return 1
 
     @property

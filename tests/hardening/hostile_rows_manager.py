@@ -48,7 +48,7 @@ F = np.arange(1, 6)  # a 5-token prompt
 
 MANAGER_ROWS: list[Case] = [
     # --- PagedKVCacheManager(...)
-    C("PagedKVCacheManager", f"{WRONG_TYPE}: int session (pre-seed argument order)",
+    C("PagedKVCacheManager", f"{WRONG_TYPE}: int session (older argument order)",
       "PagedKVCacheManager(params, 8, 4, max_batch_size=4)",
       construct(lambda: PagedKVCacheManager(params(), 8, 4, max_batch_size=4)), TypeError,
       "session=8 is an int: the signature is PagedKVCacheManager(params, session, total_num_pages"),

@@ -288,7 +288,7 @@ def test_estimated_memory_size() -> None:
     cls = ContinuousBatchingKVCacheManager
     p = params()
     cpu = [DeviceRef.CPU()]
-    # 4 slots + the null slot, 100 tokens each (seed 001's signature: every argument given).
+    # 4 slots + the null slot, 100 tokens each (MAX's signature: every argument given).
     assert cls.estimated_memory_size(p, 4, 100, 2, 10**6, cpu) == 5 * 100 * BYTES_PER_TOKEN == 32000
     kw = dict(max_batch_size=4, max_seq_len=100, num_layers=2, available_cache_memory=0)
     assert cls.estimated_memory_size(p, devices=cpu, **kw) == 32000  # type: ignore[arg-type]

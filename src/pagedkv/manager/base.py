@@ -37,7 +37,7 @@ class KVCacheManager(ABC, Generic[T]):
         max_seq_len: longest sequence a slot holds.
         num_layers: must equal ``params.num_layers`` (MAX's signature repeats it; ValueError otherwise).
         devices: must equal ``params.devices`` (repeated likewise).
-        session: MAX's `InferenceSession` slot (seed 001), stored as `self.session` and never used:
+        session: MAX's `InferenceSession` slot, stored as `self.session` and never used:
             pagedkv allocates with torch. None or any object.
         is_ragged: return `RaggedKVCacheInputs` (True) or `PaddedKVCacheInputs` (False).
     """

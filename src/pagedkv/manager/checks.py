@@ -52,7 +52,7 @@ def check_manager(
 def check_session(session: Any) -> None:
     """The constructor's `session` (MAX's `InferenceSession` slot): anything but an int.
 
-    An int there is the pre-seed call ``PagedKVCacheManager(params, total_num_pages, ...)``; it is
+    An int there is the older call ``PagedKVCacheManager(params, total_num_pages, ...)``; it is
     refused rather than guessed at, since ``(params, 8, 4)`` would otherwise mean two things."""
     if isinstance(session, int):
         raise TypeError(

@@ -53,10 +53,10 @@ class PagedKVCacheManager:
 
     Args:
         params: `KVCacheParams`, or `MultiKVCacheParams` for a model with several caches.
-        session: MAX's `InferenceSession` slot, kept for signature compatibility (seed 003) and
+        session: MAX's `InferenceSession` slot, kept for signature compatibility and
             stored as `self.session`; pagedkv allocates with torch and never uses it. Pass None
             (or any object, e.g. a MAX session). An int is refused with TypeError: it is the
-            pre-seed call ``PagedKVCacheManager(params, total_num_pages, ...)``.
+            older call ``PagedKVCacheManager(params, total_num_pages, ...)``.
         total_num_pages: device pages per replica (the null page comes on top).
         total_num_host_pages: host pages per replica; needs a host tier connector.
         enable_runtime_checks: run `check_integrity()` after every mutating call.
@@ -501,7 +501,7 @@ class PagedKVCacheManager:
     ) -> int:
         """Bytes the device pages will take for this budget and shape, over all replicas.
 
-        The signature is `KVCacheManager.estimated_memory_size`'s (seed 001). `num_layers` and
+        The signature is `KVCacheManager.estimated_memory_size`'s. `num_layers` and
         `devices` repeat what `params` says and must match it (ValueError otherwise; for a
         `MultiKVCacheParams` tree `num_layers` is the sum over its caches); `kwargs` are
         accepted and ignored, as in MAX.
@@ -521,7 +521,7 @@ class PagedKVCacheManager:
     ) -> int:
         """Largest batch whose sequences all reach `max_seq_len` without preemption.
 
-        The signature is `KVCacheManager.infer_optimal_batch_size`'s (seed 001); `num_layers` and
+        The signature is `KVCacheManager.infer_optimal_batch_size`'s; `num_layers` and
         `devices` must match `params` as in `estimated_memory_size`; `kwargs` are ignored.
         """
         check_redundant_args(params, num_layers, devices)

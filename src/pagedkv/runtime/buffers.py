@@ -154,7 +154,7 @@ class KVCacheBuffer:
 
     @property
     def page_size(self) -> int:
-        """Tokens per page, read from the layout (seed 002), so a connector can offload the cache
+        """Tokens per page, read from the layout, so a connector can offload the cache
         without its `KVCacheParams`: dim 3 of values laid out
         ``[pages, kv_dim, num_layers, page_size, heads, head_dim]`` (what `allocate_buffers` makes).
         ValueError for values of another rank, whose page size the buffer alone does not say."""
