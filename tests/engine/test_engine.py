@@ -53,9 +53,9 @@ def test_errors() -> None:
         LLMEngine.from_hf(build("llama"), num_pages=8, memory_budget=10**6)
     import transformers
 
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match="model_type='gpt2' is not supported yet"):
-        LLMEngine.from_hf(gpt2, num_pages=8)
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="model_type='bloom' cannot run on pagedkv: it adds ALiBi"):
+        LLMEngine.from_hf(bloom, num_pages=8)
     eng = engine(num_pages=2)
     with pytest.raises(ValueError, match="max_new_tokens=0 must be at least 1"):
         eng.add_request([1, 2], 0)

@@ -116,8 +116,9 @@ class LLMEngine:
     ) -> LLMEngine:
         """An engine for a transformers causal LM, switched to pagedkv attention.
 
-        Supported: Llama, Qwen2, Qwen3, Mistral (sliding window), Gemma2 and Gemma3 (sliding + full),
-        gpt-oss (sinks + sliding), Llama 4 text (chunked local), DeepSeek V2/V3 (MLA). Mixed
+        Any decoder whose attention goes through transformers' `AttentionInterface` (full, sliding,
+        chunked, sinks, softcap; DeepSeek V2/V3 MLA); others raise ValueError before the model changes
+        (`pagedkv.hf.support`; docs/MODELS.md lists the tested ones). Mixed
         attention types get one page table per group over one pool. Give either `num_pages` or
         `memory_budget` (bytes for the KV pages). The model is modified in place: its attention
         implementation becomes ``"pagedkv"``. `params_kwargs` go to `KVCacheParams` (e.g.
@@ -127,8 +128,8 @@ class LLMEngine:
         if (num_pages is None) == (memory_budget is None):
             raise ValueError("give exactly one of num_pages or memory_budget")
         param = next(model.parameters())
-        layout = kv_layout(
-            model.config, page_size=page_size, dtype=param.dtype, device=param.device,
+        layout = kv_layout(  # checks the model (ValueError) before anything in it changes
+            model.config, model=model, page_size=page_size, dtype=param.dtype, device=param.device,
             enable_prefix_caching=enable_prefix_caching, kv_dtype=kv_dtype, quantization=quantization, **params_kwargs,
         )  # fmt: skip
         params = layout.params

@@ -2,8 +2,8 @@
 
 Layer types come from the config: ``layer_types`` ("full_attention",
 "sliding_attention", "chunked_attention") where the model has them, else
-every layer is sliding when ``sliding_window`` is set (Mistral) and full
-otherwise; DeepSeek V2/V3 cache one MLA latent (``kv_lora_rank +
+every layer is sliding when ``sliding_window`` is set (Mistral, Mixtral,
+Phi-3, Starcoder2) and full otherwise; DeepSeek V2/V3 cache one MLA latent (``kv_lora_rank +
 qk_rope_head_dim``) per token. Mixed types are grouped as vLLM's hybrid
 allocator groups them (`pagedkv.interface.group_layer_specs`): each group is
 a child ``group{i}`` of a `MultiKVCacheParams`, and `layer_map[i]` says which
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pagedkv.dtype import DeviceRef, DType
+from pagedkv.hf.support import check_config, check_model, kv_shape
 from pagedkv.interface.bridge import params_from_kv_cache_config
 from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec, group_layer_specs
 from pagedkv.multi_params import MultiKVCacheParams
@@ -31,12 +32,8 @@ from pagedkv.specs import (
     SlidingWindowSpec,
 )
 
-__all__ = ["KVLayout", "kv_layout", "kv_params_from_config", "device_ref", "SUPPORTED"]
+__all__ = ["KVLayout", "kv_layout", "kv_params_from_config", "device_ref"]
 
-SUPPORTED = (
-    "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gpt_oss", "llama4_text", "deepseek_v2",
-    "deepseek_v3",
-)  # fmt: skip
 _MLA = ("deepseek_v2", "deepseek_v3")
 
 
@@ -60,15 +57,12 @@ class KVLayout:
         return len(self.params.leaves())
 
 
-def _layer_spec(config: Any, kind: str, page_size: int, dtype: DType) -> AttentionSpec:
+def _layer_spec(config: Any, kind: str, page_size: int, dtype: DType, shape: tuple[int, int]) -> AttentionSpec:
     if config.model_type in _MLA:
         head = config.kv_lora_rank + config.qk_rope_head_dim
         return MLAAttentionSpec(block_size=page_size, num_kv_heads=1, head_size=head, dtype=dtype)
-    heads = config.num_attention_heads
-    common: dict[str, Any] = dict(
-        block_size=page_size, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_size=getattr(config, "head_dim", None) or config.hidden_size // heads, dtype=dtype,
-    )  # fmt: skip
+    kv_heads, head_size = shape
+    common: dict[str, Any] = dict(block_size=page_size, num_kv_heads=kv_heads, head_size=head_size, dtype=dtype)
     if kind == "sliding_attention":
         return SlidingWindowSpec(**common, sliding_window=config.sliding_window)
     if kind == "chunked_attention":
@@ -82,7 +76,7 @@ def _layer_kinds(config: Any) -> list[str]:
     kinds = getattr(config, "layer_types", None)
     if kinds:
         return list(kinds)
-    sliding = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
+    sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
 
 
@@ -94,16 +88,20 @@ def kv_layout(
     device: torch.device | None = None,
     kv_dtype: DType | None = None,
     quantization: KVCacheQuantizationConfig | None = None,
+    model: torch.nn.Module | None = None,
     **params_kwargs: Any,
 ) -> KVLayout:
-    """The `KVLayout` of a decoder-only model config; ValueError for a model type not supported yet."""
-    if getattr(config, "model_type", None) not in SUPPORTED:
-        raise ValueError(
-            f"model_type={getattr(config, 'model_type', None)!r} is not supported yet; supported: {SUPPORTED}"
-        )
+    """The `KVLayout` of a decoder-only model config.
+
+    ValueError (`pagedkv.hf.support.check_config`) for a config no paged decoder layout holds. With
+    `model` (as `LLMEngine.from_hf` passes it), its modules are checked first and the K/V shape is the
+    one they pass to attention (`pagedkv.hf.support.check_model`); without, it comes from the config.
+    """
+    shape = kv_shape(config) if model is None else check_model(model)
+    check_config(config)
     storage = kv_dtype or DType.from_torch(dtype)
     specs: dict[str, KVCacheSpec] = {
-        str(i): _layer_spec(config, k, page_size, storage) for i, k in enumerate(_layer_kinds(config))
+        str(i): _layer_spec(config, k, page_size, storage, shape) for i, k in enumerate(_layer_kinds(config))
     }
     groups = group_layer_specs(specs)
     devices = [device_ref(device or torch.device("cpu"))]

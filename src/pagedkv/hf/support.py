@@ -1,0 +1,184 @@
+"""Which transformers decoders pagedkv can serve, decided from the model itself (no list of model types).
+
+A decoder runs on pagedkv when every one of its layers is self-attention over
+its own K/V through transformers' `AttentionInterface` (the attention module's
+``forward`` looks its function up in ``ALL_ATTENTION_FUNCTIONS``), with no
+argument to that function that pagedkv would drop. What the model computes
+around attention (partial rotary, QK-norm, NoPE layers, multipliers, parallel
+residuals, MoE routers, learned absolute positions) needs nothing more than the
+``position_ids`` the engine passes. Scaling, softcap, sliding windows and
+learned sinks (``s_aux``) arrive as keywords that `pagedkv.hf.attention`
+applies; windows and chunks come from the config's layer types
+(`pagedkv.hf.config`).
+
+`check_config` refuses, from the config alone, what no decoder layout can hold:
+state beyond K/V (Mamba / linear-attention layer types), vision or audio
+towers, K/V shared across layers, ALiBi. `check_model` adds the checks on the
+modules; both raise ValueError naming the model type and the reason, before
+anything in the model is changed.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from typing import Any
+
+import torch
+
+__all__ = ["ATTENTION_KINDS", "ATTENTION_KEYWORDS", "attention_modules", "check_config", "check_model", "kv_shape"]
+
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+# keywords of the attention-function call that pagedkv applies (or that change nothing at inference)
+ATTENTION_KEYWORDS = frozenset({"scaling", "dropout", "sliding_window", "softcap", "s_aux", "position_ids"})
+_INTERFACE = "ALL_ATTENTION_FUNCTIONS"
+_MULTIMODAL = ("vision_config", "audio_config", "vision_tower", "mm_tokens_per_image")
+
+
+def _refuse(config: Any, reason: str) -> ValueError:
+    return ValueError(f"model_type={getattr(config, 'model_type', None)!r} cannot run on pagedkv: {reason}")
+
+
+def _alibi(config: Any) -> bool:
+    attn_config = getattr(config, "attn_config", None)
+    nested = attn_config.get("alibi") if isinstance(attn_config, dict) else getattr(attn_config, "alibi", False)
+    return bool(getattr(config, "alibi", False) or nested)
+
+
+def check_config(config: Any) -> None:
+    """Raise ValueError when no pagedkv decoder layout can hold this config's model."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise _refuse(config, "encoder-decoder models run on pagedkv.engine.EncoderDecoderEngine")
+    if any(getattr(config, name, None) is not None for name in _MULTIMODAL):
+        raise _refuse(config, "it takes vision or audio inputs; only text decoders are served")
+    if getattr(config, "num_kv_shared_layers", 0):
+        raise _refuse(config, f"{config.num_kv_shared_layers} layers reuse the K/V of earlier layers (KV sharing)")
+    if _alibi(config):
+        raise _refuse(config, "it adds ALiBi position biases, which pagedkv's attention does not apply yet")
+    kinds = getattr(config, "layer_types", None) or []
+    other = sorted({k for k in kinds if k not in ATTENTION_KINDS})
+    if other:
+        raise _refuse(config, f"layer types {other} keep state beyond K/V (only {ATTENTION_KINDS} are paged)")
+
+
+def kv_shape(config: Any) -> tuple[int, int]:
+    """(K/V heads, head size) of a config: ``num_key_value_heads`` (else every query head) and ``head_dim``
+    (else hidden size / heads)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def _forward_code(module: torch.nn.Module) -> Any:
+    forward = inspect.unwrap(type(module).forward)
+    return getattr(forward, "__code__", None)
+
+
+def _routes_through_interface(module: torch.nn.Module) -> bool:
+    code = _forward_code(module)
+    return code is not None and _INTERFACE in code.co_names
+
+
+def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules whose ``forward`` calls an attention function of transformers' `AttentionInterface`."""
+    return [(name, m) for name, m in model.named_modules() if _routes_through_interface(m)]
+
+
+def _attention_keywords(module: torch.nn.Module) -> set[str] | None:
+    """Keywords the module's forward passes to the interface's function, or None if the source is unreadable."""
+    try:
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(type(module).forward)))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return None
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "attention_interface":
+            names.update(k.arg for k in node.keywords if k.arg is not None)
+    return names
+
+
+def _uses_alibi(model: torch.nn.Module) -> bool:
+    for m in model.modules():
+        code = _forward_code(m)
+        if code is not None and any("alibi" in name.lower() for name in code.co_names + code.co_varnames):
+            return True
+    return False
+
+
+def _calls_without_kwargs(parent: torch.nn.Module, attr: str) -> bool:
+    """True when `parent`'s forward calls ``self.<attr>(...)`` and never with ``**kwargs``."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(parent).forward))))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    calls = [
+        node for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attr
+        and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+    ]  # fmt: skip
+    return bool(calls) and not any(k.arg is None for call in calls for k in call.keywords)
+
+
+def check_model(model: torch.nn.Module) -> tuple[int, int]:
+    """(K/V heads, head size) of `model`'s attention, or ValueError naming the model type and the reason
+    when it cannot run on pagedkv pages.
+
+    Reads the config (`check_config`) and the modules; changes nothing. The shape is what the
+    attention modules pass to the attention function: ``head_dim`` and ``num_key_value_groups`` of the
+    modules where they have them (JetMoE repeats its K/V heads before the call), else the config's.
+    """
+    config: Any = model.config
+    check_config(config)
+    layers = getattr(config, "num_hidden_layers", None)
+    attention = attention_modules(model)
+    if not attention:
+        if _uses_alibi(model) and getattr(config, "alibi", True):
+            raise _refuse(config, "it adds ALiBi position biases, which pagedkv's attention does not apply yet")
+        raise _refuse(config, "its attention does not go through transformers' AttentionInterface")
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    if callable(can_set) and not can_set():
+        raise _refuse(config, "transformers cannot switch its attention implementation")
+    modules = dict(model.named_modules())
+    mla = getattr(config, "model_type", None) in ("deepseek_v2", "deepseek_v3")
+    seen: dict[int, str] = {}
+    shapes: set[tuple[int, int]] = set()
+    for name, module in attention:
+        idx = getattr(module, "layer_idx", None)
+        if not isinstance(idx, int):
+            raise _refuse(config, f"attention module {name} has no integer layer_idx")
+        if idx in seen:
+            raise _refuse(config, f"attention modules {seen[idx]} and {name} share layer_idx {idx}")
+        seen[idx] = name
+        if hasattr(module, "kv_b_proj") and not mla:
+            raise _refuse(config, f"{name} is latent attention (MLA); only DeepSeek V2/V3's MLA is wired")
+        if getattr(module, "is_causal", True) is False:
+            raise _refuse(config, f"{name} attends bidirectionally (is_causal=False)")
+        extra = sorted((_attention_keywords(module) or set()) - ATTENTION_KEYWORDS)
+        if extra:
+            raise _refuse(config, f"{name} passes {extra} to its attention function, which pagedkv does not apply")
+        parent, _, attr = name.rpartition(".")
+        if _calls_without_kwargs(modules[parent], attr):
+            raise _refuse(
+                config, f"{parent} calls {attr} without **kwargs, so the engine's forward context never "
+                "reaches the attention function",
+            )  # fmt: skip
+        kv_heads, head = kv_shape(config)
+        groups = getattr(module, "num_key_value_groups", None)
+        if isinstance(groups, int) and groups > 0:
+            kv_heads = config.num_attention_heads // groups
+        own_head = getattr(module, "head_dim", None)
+        shapes.add((kv_heads, own_head if isinstance(own_head, int) else head))
+    if layers is not None and sorted(seen) != list(range(layers)):
+        missing = sorted(set(range(layers)) - set(seen))
+        raise _refuse(
+            config,
+            f"layers {missing} have no attention through AttentionInterface (state beyond K/V, e.g. recurrent "
+            f"or Mamba layers)"
+            if missing
+            else f"attention layer indices {sorted(seen)} do not match {layers} layers",
+        )
+    if len(shapes) > 1 and not mla:
+        raise _refuse(config, f"its layers cache K/V of different shapes (K/V heads, head size) {sorted(shapes)}")
+    return shapes.pop() if not mla else kv_shape(config)

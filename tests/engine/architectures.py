@@ -1,0 +1,130 @@
+"""The architectures table: tiny configs of every transformers decoder the engine is tested on, and the refused.
+
+`PARITY` (model type -> config overrides on top of `COMMON`) is what
+`test_architectures.py` runs to parity with transformers; `REFUSED` (model type
+-> (overrides, the reason `LLMEngine.from_hf` must give)) what it must refuse.
+`docs/MODELS.md` is `render_markdown()`, which also lists the architectures the
+older parity suites cover (`hf_models.ARCHS`, `test_mla.py`, `test_encoder_decoder.py`);
+`test_architectures.py` checks it, PAGEDKV_WRITE_DOCS=1 rewrites it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+COMMON = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    max_position_embeddings=512, initializer_range=0.2, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+)  # fmt: skip
+ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+SLIDING = {"sliding_window": 8}
+TWO_TYPES = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+# model type -> overrides (GQA 4:2 wherever the config has num_key_value_heads); most common first
+PARITY: dict[str, dict[str, Any]] = {
+    "phi3": SLIDING,
+    "phi": {"partial_rotary_factor": 0.5},
+    "olmo2": {},
+    "olmo3": TWO_TYPES,
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    "granite": {"attention_multiplier": 0.3, "residual_multiplier": 0.5, "logits_scaling": 2.0,
+                "embedding_multiplier": 3.0},
+    "cohere": {"use_qk_norm": True},
+    "cohere2": TWO_TYPES,
+    "qwen2_moe": {**MOE, "shared_expert_intermediate_size": 32},
+    "qwen3_moe": MOE,
+    "mixtral": {**SLIDING, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "gemma": {"head_dim": 16},
+    "starcoder2": SLIDING,
+    "exaone4": TWO_TYPES,
+    "glm": {"head_dim": 16},
+    "glm4": {"head_dim": 16},
+    "glm4_moe": {**MOE, "n_routed_experts": 4, "first_k_dense_replace": 1, "head_dim": 16},
+    "smollm3": {"no_rope_layers": [1, 0]},
+    "ministral": {**ROPE, **TWO_TYPES, "head_dim": 16},
+    "apertus": {},
+    "seed_oss": {"head_dim": 16},
+    "gpt2": {},
+    "gpt_neox": {"rotary_pct": 0.5},
+    "helium": {"head_dim": 16},
+    "ernie4_5": {"head_dim": 16},
+    "hunyuan_v1_dense": {**ROPE, "head_dim": 16},
+    "arcee": {"head_dim": 16},
+    "bitnet": {},
+    "persimmon": {},
+    "codegen": {"rotary_dim": 8},
+    "gptj": {"rotary_dim": 8},
+    "opt": {"ffn_dim": 128, "word_embed_proj_dim": 64},
+    "minimax_m2": {**MOE, "num_local_experts": 4, "head_dim": 16, "rotary_dim": 8},
+    "jetmoe": {"num_experts_per_tok": 2, "kv_channels": 16},
+}  # fmt: skip
+
+# (model type, overrides, the reason in from_hf's ValueError, a regex)
+REFUSED: list[tuple[str, dict[str, Any], str]] = [
+    ("bloom", {}, "ALiBi position biases"),
+    ("mpt", {"attn_config": {"alibi": True}}, "ALiBi position biases"),
+    ("falcon", {"alibi": True}, "ALiBi position biases"),
+    ("falcon", {"alibi": False}, "does not go through transformers' AttentionInterface"),
+    ("stablelm", {}, r"calls self_attn without \*\*kwargs"),
+]  # fmt: skip
+
+
+def build(model_type: str, overrides: dict[str, Any] | None = None, seed: int = 0) -> Any:
+    """A tiny fp32 model of `model_type` (eager attention, seeded random weights, eos disabled)."""
+    import transformers as tf
+
+    kwargs = {**COMMON, **(PARITY.get(model_type, {}) if overrides is None else overrides)}
+    config = tf.AutoConfig.for_model(model_type, **kwargs)
+    if getattr(config, "num_key_value_heads", None) is not None and "num_key_value_heads" not in kwargs:
+        config = tf.AutoConfig.for_model(model_type, **kwargs, num_key_value_heads=2)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def _older_suites() -> dict[str, str]:
+    """Model type -> the parity suite that covers it, for the architectures outside `PARITY`."""
+    import transformers as tf
+
+    from hf_models import ARCHS
+    from hf_models import COMMON as HF_COMMON
+
+    covered = {}
+    for spec in ARCHS.values():
+        config_cls, _, extra = spec(tf)
+        model_type = config_cls(**{**HF_COMMON, **extra}).model_type
+        hybrid = any(k in extra for k in ("sliding_window", "attention_chunk_size", "layer_types"))
+        covered[model_type] = "test_hybrid_parity.py" if hybrid else "test_parity.py"
+    covered.update({"deepseek_v2": "test_mla.py", "deepseek_v3": "test_mla.py", "bart": "test_encoder_decoder.py"})
+    return covered
+
+
+def render_markdown() -> str:
+    """docs/MODELS.md: the architectures the tests run to parity with transformers, and the refused ones."""
+    lines = [
+        "# Model architectures",
+        "",
+        "Generated from `tests/engine/architectures.py` (`PAGEDKV_WRITE_DOCS=1` rewrites it; "
+        "`tests/engine/test_architectures.py` checks it). Every row below is a transformers model type whose tiny "
+        "random-weight model generates on `LLMEngine.from_hf` the same greedy tokens as transformers' own "
+        "`generate()`, with fp32 logits within 1e-4, under prefix caching and preemption. Any other decoder whose "
+        "attention goes through transformers' `AttentionInterface` is accepted too (`pagedkv.hf.support`), "
+        "without a code change; what cannot run is refused with a `ValueError` before the model is touched.",
+        "",
+        "| model type | tested in | config of the test |",
+        "|---|---|---|",
+    ]
+    for model_type, overrides in PARITY.items():
+        shown = ", ".join(f"`{k}={v!r}`" for k, v in overrides.items()) or "defaults"
+        lines.append(f"| `{model_type}` | test_architectures.py | {shown} |")
+    for model_type, suite in _older_suites().items():
+        lines.append(f"| `{model_type}` | {suite} | |")
+    lines += ["", "## Refused (for now)", "", "| model type | config | reason |", "|---|---|---|"]
+    for model_type, overrides, reason in REFUSED:
+        shown = ", ".join(f"`{k}={v!r}`" for k, v in overrides.items()) or "defaults"
+        lines.append(f"| `{model_type}` | {shown} | {reason.replace(chr(92), '')} |")
+    return "\n".join(lines) + "\n"
