@@ -111,7 +111,9 @@ def render_markdown() -> str:
         "Generated from `tests/engine/architectures.py` (`PAGEDKV_WRITE_DOCS=1` rewrites it; "
         "`tests/engine/test_architectures.py` checks it). Every row below is a transformers model type whose tiny "
         "random-weight model generates on `LLMEngine.from_hf` the same greedy tokens as transformers' own "
-        "`generate()`, with fp32 logits within 1e-4, under prefix caching and preemption. Any other decoder whose "
+        "`generate()`, with fp32 logits within 1e-4, with prefix caching (a second wave reuses a prefix that is not "
+        "page-aligned) and, for models whose layers all keep every token, a pool small enough to preempt. Any other "
+        "decoder whose "
         "attention goes through transformers' `AttentionInterface` is accepted too (`pagedkv.hf.support`), "
         "without a code change; what cannot run is refused with a `ValueError` before the model is touched.",
         "",
