@@ -9,9 +9,15 @@ to the pool (the table keeps the null page in its place)::
     sliding W   |..dropped..|....... last W tokens .......| q
     chunked C   |..dropped (earlier chunks)..| chunk of q  | q
     sink S + W  | S sinks |..dropped..|.... last W ........| q
+
+`step_pages` is what one step holds in a group, and `min_request_pages` the
+smallest pool in which a request alone can run to its end.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 from pagedkv.specs import (
     AttentionSpec,
@@ -26,6 +32,7 @@ from pagedkv.specs import (
 __all__ = [
     "GroupManager", "FullAttentionManager", "SlidingWindowManager", "ChunkedLocalAttentionManager",
     "SinkAttentionManager", "CrossAttentionManager", "MLAAttentionManager", "SPEC_MANAGERS", "manager_for",
+    "min_request_pages",
 ]  # fmt: skip
 
 
@@ -66,6 +73,19 @@ class GroupManager:
         (the kept sink pages as well, see `kept_pages`)."""
         return 0, hit_pages
 
+    def step_pages(self, start: int, end: int, length: int, spec: int = 0, encoder_length: int = 0) -> int:
+        """Pages this group holds during a step that processes positions [start, end) of a context of
+        `length` tokens with `spec` speculative slots, once the step's drops are done (drops happen at
+        `start`; the pages of [first_needed(start), end + spec) stay). A full group holds every
+        token's page (`length`, not `end`: the whole context is allocated at once); a window group
+        only the window of this step; cross-attention the encoder's `encoder_length` tokens."""
+        top = end if self.lazy else length
+        return -(-(top + spec) // self.page_size) - (self.droppable_pages(start) - self.kept_pages())
+
+    def periodicity(self) -> tuple[int, int]:
+        """(warmup, period): ``step_pages(q, q + 1, ...)`` for q >= warmup repeats every `period` positions."""
+        return 0, 1
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(group={self.group})"
 
@@ -100,6 +120,9 @@ class SlidingWindowManager(GroupManager):
     def hit_range(self, hit_pages: int) -> tuple[int, int]:
         return self.first_needed(hit_pages * self.page_size) // self.page_size, hit_pages
 
+    def periodicity(self) -> tuple[int, int]:
+        return self.window - 1, self.page_size
+
 
 class ChunkedLocalAttentionManager(GroupManager):
     """Llama 4 local attention: a query sees its own chunk; earlier chunks' pages go back to the pool."""
@@ -124,6 +147,9 @@ class ChunkedLocalAttentionManager(GroupManager):
 
     def hit_range(self, hit_pages: int) -> tuple[int, int]:
         return self.first_needed(hit_pages * self.page_size) // self.page_size, hit_pages
+
+    def periodicity(self) -> tuple[int, int]:
+        return 0, math.lcm(self.chunk, self.page_size)
 
 
 class SinkAttentionManager(SlidingWindowManager):
@@ -153,12 +179,18 @@ class SinkAttentionManager(SlidingWindowManager):
         start, stop = super().hit_range(hit_pages)
         return max(start, min(self.kept_pages(), stop)), stop
 
+    def periodicity(self) -> tuple[int, int]:
+        return self.window - 1 + self.kept_pages() * self.page_size, self.page_size
+
 
 class CrossAttentionManager(GroupManager):
     """Cross-attention: the encoder's pages, allocated once per request, never prefix-cached."""
 
     cacheable = False
     reads_encoder = True
+
+    def step_pages(self, start: int, end: int, length: int, spec: int = 0, encoder_length: int = 0) -> int:
+        return -(-encoder_length // self.page_size)
 
 
 SPEC_MANAGERS: dict[type[AttentionSpec], type[GroupManager]] = {
@@ -180,3 +212,40 @@ def manager_for(group: int, spec: AttentionSpec) -> GroupManager:
         if manager is not None:
             return manager.from_spec(group, spec)
     raise TypeError(f"no KV cache manager serves {type(spec).__name__}")
+
+
+def min_request_pages(
+    groups: Sequence[GroupManager], prompt_length: int, max_new_tokens: int, *, spec: int = 0, encoder_length: int = 0
+) -> int:
+    """The fewest pool pages in which a request of `prompt_length` tokens generating `max_new_tokens`
+    runs alone to its end: no smaller pool can serve it, and this one does (one token a step at
+    worst, the scheduler's smallest chunk).
+
+    Its context grows to length = prompt_length + max_new_tokens - 1 (the last sampled token is never
+    fed back). At each position q in [0, length) it runs a one-token step, during which each group
+    holds `step_pages(q, q + 1, n)`, n = max(prompt_length, q + 1) the context's length then: full
+    groups ceil((n + spec) / page_size) (the prompt is allocated at once); window groups the pages
+    from the first one the query at q still reads (the sinks' pages too) through q's page and its
+    `spec` draft slots (drops happen before the step's new pages are taken); cross-attention
+    ceil(encoder_length / page_size). The answer is the peak over q of the groups' sum, and at
+    least ceil((length + spec) / page_size): the coordinator refuses a context whose slots exceed
+    the whole pool, windows or not.
+
+    A request preempted by recompute comes back with its whole context as prompt and may need more
+    (`min_request_pages(groups, length, 1, ...)`). Past every group's warmup the window counts
+    repeat with the lcm of the periods while full counts only grow, so at most warmup + lcm
+    positions are visited, whatever the length.
+    """
+    if prompt_length < 1 or max_new_tokens < 1:
+        raise ValueError(f"prompt_length={prompt_length} and max_new_tokens={max_new_tokens} must be >= 1")
+    length = prompt_length + max_new_tokens - 1
+    warmup = max((g.periodicity()[0] for g in groups), default=0)
+    period = math.lcm(*(g.periodicity()[1] for g in groups)) if groups else 1
+    # window counts at q >= warmup depend on q mod period, full counts grow with q: [0, warmup) and
+    # the last period (or all of [warmup, length)) hold the peak
+    positions = (*range(min(length, warmup)), *range(max(warmup, length - period), length))
+    best = -(-(length + spec) // groups[0].page_size) if groups else 0  # the coordinator's cap: every slot fits
+    for q in positions:
+        n = max(prompt_length, q + 1)
+        best = max(best, sum(g.step_pages(q, q + 1, n, spec, encoder_length) for g in groups))
+    return best

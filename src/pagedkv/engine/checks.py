@@ -1,8 +1,8 @@
 """Argument checks of `LLMEngine.add_request` / `generate`, run before a request is queued.
 
 A prompt outside the model's vocabulary is refused here, not in the forward pass, and so is
-(`InsufficientBlocksError`) a request that a full-attention cache could never hold, prompt and new
-tokens: it would block the head of the queue. `generate` checks every prompt before queueing any.
+(`InsufficientBlocksError`) a request that the pool could never hold alone (`check_fits`): it would
+block the head of the queue, or preempt itself forever. `generate` checks every prompt before queueing any.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import numpy as np
 from pagedkv.core.context import as_token_array
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.hashing import check_salt
+from pagedkv.core.managers import manager_for, min_request_pages
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.validation import INT32_MAX, check_int
 
-__all__ = ["check_prompts", "check_request"]
+__all__ = ["check_fits", "check_prompts", "check_request"]
 
 
 def check_request(
@@ -48,18 +49,39 @@ def check_request(
             if not isinstance(token, int | np.integer) or isinstance(token, bool):
                 raise TypeError(f"stop_token_ids holds {token!r}; token ids are ints")
     check_salt(cache_salt)
-    params = manager.params
-    if all(leaf.attention_kind == "full" for leaf in params.leaves()):  # windows reuse pages
-        slots = len(tokens) + max_new_tokens - 1 + params.num_eagle_speculative_tokens
-        cache_tokens = manager.total_num_pages * manager.page_size
-        if slots > cache_tokens:
-            raise InsufficientBlocksError(
-                f"a prompt of {len(tokens)} tokens with max_new_tokens={max_new_tokens} needs {slots} token slots but "
-                f"the whole cache holds {cache_tokens} ({manager.total_num_pages} pages of {manager.page_size})",
-                needed=-(-slots // manager.page_size),
-                available=manager.total_num_pages,
-            )
+    check_fits(manager, len(tokens), max_new_tokens)
     return tokens
+
+
+def check_fits(manager: PagedKVCacheManager, prompt_length: int, max_new_tokens: int) -> None:
+    """InsufficientBlocksError unless a request of `prompt_length` tokens generating `max_new_tokens`
+    fits the whole pool alone: `pagedkv.core.managers.min_request_pages` over the manager's groups
+    (full groups: every token; window groups: the peak of one step)."""
+    params = manager.params
+    spec = params.num_eagle_speculative_tokens
+    length = prompt_length + max_new_tokens - 1  # the last sampled token is never fed back
+    total, ps = manager.total_num_pages, manager.page_size
+    if all(leaf.attention_kind == "full" for leaf in params.leaves()):
+        slots = length + spec
+        if slots > total * ps:
+            raise InsufficientBlocksError(
+                f"a prompt of {prompt_length} tokens with max_new_tokens={max_new_tokens} needs {slots} token slots "
+                f"but the whole cache holds {total * ps} ({total} pages of {ps})",
+                needed=-(-slots // ps),
+                available=total,
+            )
+        return
+    groups = [manager_for(g, leaf.kv_cache_spec) for g, leaf in enumerate(params.leaves())]
+    need = min_request_pages(groups, prompt_length, max_new_tokens, spec=spec)
+    if need > total:
+        kinds = "+".join(leaf.attention_kind for leaf in params.leaves())
+        raise InsufficientBlocksError(
+            f"a prompt of {prompt_length} tokens with max_new_tokens={max_new_tokens} needs {need} pages of {ps} "
+            f"at its peak (its {kinds} groups together, one step at a time) but the whole cache holds {total} "
+            f"pages; raise num_pages or memory_budget, or shorten the request",
+            needed=need,
+            available=total,
+        )
 
 
 def check_prompts(prompts: Any) -> None:

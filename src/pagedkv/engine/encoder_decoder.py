@@ -160,7 +160,7 @@ class EncoderDecoderEngine(LLMEngine):
         self._next_id += 1
         generator = None
         if not sampling.greedy and sampling.seed is not None:
-            generator = torch.Generator().manual_seed(sampling.seed + rid)
+            generator = torch.Generator().manual_seed(sampling.seed)  # per request, as vLLM
         stops = self._default_stops() if stop_token_ids is None else stop_token_ids
         ctx = TextContext(
             rid, np.asarray(decoder, dtype=np.int64), cache_salt=encoder_salt(encoder, cache_salt),

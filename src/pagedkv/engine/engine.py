@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from pagedkv.core.context import TextContext
+from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.dtype import DType
 from pagedkv.engine.checks import check_prompts, check_request
 from pagedkv.engine.request import Request
@@ -34,7 +35,7 @@ from pagedkv.hf.rope import install as install_positions
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheQuantizationConfig
 from pagedkv.runtime.inputs import MultiKVCacheInputs
-from pagedkv.validation import check_weights_version
+from pagedkv.validation import INT32_MAX, check_int, check_weights_version
 
 __all__ = ["LLMEngine", "EngineStats"]
 
@@ -76,6 +77,11 @@ class LLMEngine:
         layer_map: dict[int, tuple[int, int]] | None = None,
         preemption_mode: str | None = None,
     ) -> None:
+        check_int("max_num_batched_tokens", max_num_batched_tokens, 1, INT32_MAX)
+        if max_batch_size is not None:
+            check_int("max_batch_size", max_batch_size, 1, INT32_MAX)
+        if not isinstance(record_logits, bool):
+            raise TypeError(f"record_logits={record_logits!r} must be a bool")
         mode = preemption_mode or ("swap" if manager.can_swap else "recompute")
         if mode not in ("swap", "recompute"):
             raise ValueError(f"preemption_mode={preemption_mode!r} must be 'swap' or 'recompute'")
@@ -95,6 +101,8 @@ class LLMEngine:
         self.record_logits = record_logits
         self.stats = EngineStats()
         self._next_id = 0
+        # the attention implementation the engine serves with: `step` refuses to run under another one
+        self._attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
 
     @classmethod
     def from_hf(
@@ -121,28 +129,60 @@ class LLMEngine:
         (`pagedkv.hf.support`; docs/MODELS.md lists the tested ones). Mixed
         attention types get one page table per group over one pool. Give either `num_pages` or
         `memory_budget` (bytes for the KV pages). The model is modified in place: its attention
-        implementation becomes ``"pagedkv"``. `params_kwargs` go to `KVCacheParams` (e.g.
+        implementation becomes ``"pagedkv"`` (only once every argument was accepted: a failing call
+        leaves the model as it was). Every size is checked under its own name (`page_size`,
+        `num_pages`, `memory_budget`, `max_batch_size`, `max_num_batched_tokens`, ...). Switching the
+        model to another implementation afterwards (e.g. to call its own ``generate``) makes `step`
+        raise until it is switched back with ``model.set_attn_implementation("pagedkv")``. `params_kwargs` go to `KVCacheParams` (e.g.
         ``kv_connector="tiered"``, ``kv_connector_config=KVConnectorConfig(...)``,
         ``host_kvcache_swap_space_gb=4``); `total_num_host_pages` sizes the host tier (0: from the swap space).
         """
         if (num_pages is None) == (memory_budget is None):
-            raise ValueError("give exactly one of num_pages or memory_budget")
+            raise ValueError(f"give exactly one of num_pages or memory_budget (got num_pages={num_pages!r}, "
+                             f"memory_budget={memory_budget!r})")  # fmt: skip
+        check_int("page_size", page_size, 1, INT32_MAX)
+        if num_pages is not None:
+            check_int("num_pages", num_pages, 1, INT32_MAX - 1)
+        if memory_budget is not None:
+            check_int("memory_budget", memory_budget, 1)
+        check_int("max_batch_size", max_batch_size, 1, INT32_MAX)
+        check_int("max_num_batched_tokens", max_num_batched_tokens, 1, INT32_MAX)
+        check_int("total_num_host_pages", total_num_host_pages, 0, INT32_MAX - 1)
+        for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("record_logits", record_logits)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}={flag!r} must be a bool")
+        if preemption_mode not in (None, "swap", "recompute"):
+            raise ValueError(f"preemption_mode={preemption_mode!r} must be 'swap' or 'recompute'")
         param = next(model.parameters())
         layout = kv_layout(  # checks the model (ValueError) before anything in it changes
             model.config, model=model, page_size=page_size, dtype=param.dtype, device=param.device,
             enable_prefix_caching=enable_prefix_caching, kv_dtype=kv_dtype, quantization=quantization, **params_kwargs,
         )  # fmt: skip
         params = layout.params
-        model.set_attn_implementation(register())  # type: ignore[operator]
         if num_pages is not None:
             manager = PagedKVCacheManager(params, None, num_pages, total_num_host_pages, max_batch_size=max_batch_size)
         else:
             assert memory_budget is not None
+            if memory_budget < params.bytes_per_block * params.data_parallel_degree:
+                raise InsufficientBlocksError(
+                    f"memory_budget={memory_budget} bytes holds no page: one page of {page_size} tokens takes "
+                    f"{params.bytes_per_block} bytes (x{params.data_parallel_degree} replicas)",
+                    needed=1,
+                    available=0,
+                )
             manager = PagedKVCacheManager.from_memory_budget(params, memory_budget, max_batch_size=max_batch_size)
-        return cls(
-            model, manager, max_num_batched_tokens=max_num_batched_tokens, record_logits=record_logits,
-            layer_map=layout.layer_map, preemption_mode=preemption_mode,
-        )  # fmt: skip
+        previous = getattr(model.config, "_attn_implementation", None)
+        model.set_attn_implementation(register())  # type: ignore[operator]
+        try:
+            return cls(
+                model, manager, max_num_batched_tokens=max_num_batched_tokens, record_logits=record_logits,
+                layer_map=layout.layer_map, preemption_mode=preemption_mode,
+            )  # fmt: skip
+        except BaseException:
+            if previous is not None:
+                model.set_attn_implementation(previous)  # type: ignore[operator]
+            manager.close()
+            raise
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -171,7 +211,7 @@ class LLMEngine:
         self._next_id += 1
         generator = None
         if not sampling.greedy and sampling.seed is not None:
-            generator = torch.Generator().manual_seed(sampling.seed + rid)
+            generator = torch.Generator().manual_seed(sampling.seed)  # per request, as vLLM: index-free
         stops = self._default_stops() if stop_token_ids is None else stop_token_ids
         ctx = TextContext(rid, tokens, cache_salt=cache_salt)
         request = Request(ctx, len(tokens), max_new_tokens, sampling, frozenset(stops), generator)
@@ -248,10 +288,25 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- one step
     def step(self) -> list[Request]:
-        """Run one forward pass; returns the requests that finished in it."""
+        """Run one forward pass; returns the requests that finished in it.
+
+        With nothing queued it does nothing and returns ``[]`` (as vLLM's ``step`` returns no
+        outputs). Raises RuntimeError, before anything changes, when the model no longer uses the
+        attention implementation the engine installed (``model.set_attn_implementation("eager")``
+        to call its own ``generate``): its tokens would be wrong. A request that cannot take a
+        single token with the whole pool to itself leaves the engine with `InsufficientBlocksError`
+        (see `Scheduler`; `add_request` refuses such requests up front).
+        """
+        if not self.scheduler.has_unfinished():
+            return []
+        self._check_attention()
         batch = self.scheduler.schedule()
-        if not batch:
-            raise RuntimeError("nothing could be scheduled although requests are waiting")
+        if not batch:  # the scheduler progresses or raises; an empty batch is a bug, never a silent spin
+            raise RuntimeError(
+                f"nothing could be scheduled although {len(self.scheduler.waiting)} requests wait and "
+                f"{len(self.scheduler.running)} run (pool: {self.manager.num_free_blocks()} of "
+                f"{self.manager.total_num_pages} pages free)"
+            )
         logits = self._forward(batch)  # [B, V]: logits of each request's last window token
         finished = []
         for i, request in enumerate(batch):
@@ -273,6 +328,19 @@ class LLMEngine:
             self.scheduler.finish(request)
         self.stats.steps += 1
         return finished
+
+    def _check_attention(self) -> None:
+        """RuntimeError when the model's attention implementation is no longer the engine's."""
+        if self._attention is None:
+            return
+        current = getattr(self.model.config, "_attn_implementation", None)
+        if current != self._attention:
+            raise RuntimeError(
+                f"the model's attention implementation is {current!r}, not {self._attention!r}: it was switched "
+                f"after the engine was built (e.g. to call model.generate), and the engine's pages would be "
+                f"ignored, giving wrong tokens; call model.set_attn_implementation({self._attention!r}) before "
+                "stepping the engine again"
+            )
 
     def _forward(self, batch: list[Request]) -> torch.Tensor:
         ctxs = [r.ctx for r in batch]

@@ -33,6 +33,7 @@ class Request:
     logits: list[torch.Tensor] = field(default_factory=list)
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache, summed over admissions
+    restarted_at: int = -1  # context length at which the scheduler last restarted it, alone and stuck
 
     @property
     def request_id(self) -> object:

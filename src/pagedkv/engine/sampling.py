@@ -1,4 +1,4 @@
-"""Token sampling: greedy by default, temperature / top-p with a per-request seed."""
+"""Token sampling: greedy by default; temperature, min-p, top-k and top-p with a per-request seed (vLLM's)."""
 
 from __future__ import annotations
 
@@ -12,21 +12,31 @@ __all__ = ["SamplingParams", "sample"]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token.
+    """How to pick each next token (vLLM's `SamplingParams` semantics for these fields).
 
     Attributes:
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
-        top_p: keep the smallest set of tokens whose probability reaches top_p.
-        seed: seeds each request's generator (request i uses seed + i), so a
-            request samples the same tokens whatever else is in its batch.
+        temperature: 0 means greedy (argmax; every other field is then ignored); otherwise logits
+            are divided by it.
+        top_p: keep the smallest set of most likely tokens whose probability reaches top_p, in (0, 1].
+        top_k: keep the k most likely tokens; 0 or -1 (vLLM's two spellings) keep all of them.
+        min_p: keep the tokens whose probability is at least min_p times the most likely one's, in
+            [0, 1]; 0 keeps all of them.
+        seed: seeds a generator of the request's own (as vLLM): the same prompt with the same seed
+            samples the same tokens whatever its index, its batch or the requests before it, and
+            two equal prompts with one seed sample equal tokens. None: torch's global generator.
+
+    The filters apply in vLLM's order: temperature, then min-p, then top-k, then top-p (each on
+    what the previous one kept), then one multinomial draw.
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise TypeError(f"{name}={value!r} must be a number")
@@ -34,8 +44,16 @@ class SamplingParams:
             raise ValueError(f"temperature={self.temperature} must be >= 0 and finite")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+            raise TypeError(f"top_k={self.top_k!r} must be an int")
+        if self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k} must be 0 or -1 (all tokens) or at least 1")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise TypeError(f"seed={self.seed!r} must be an int or None")
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            raise ValueError(f"seed={self.seed} must fit in 64 bits")
 
     @property
     def greedy(self) -> bool:
@@ -44,11 +62,19 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from logits [V] (float32)."""
+    """One token id from logits [V] (float32). With a `generator`, the draw runs on its device."""
     if params.greedy:
         return int(torch.argmax(logits))
+    if generator is not None and logits.device != generator.device:
+        logits = logits.to(generator.device)  # a seeded draw is the same on every device
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # [V]
+    if params.min_p > 0:
+        probs = torch.where(probs >= params.min_p * probs.max(), probs, 0.0)  # [V]
+    if 0 < params.top_k < probs.numel():
+        kth = torch.topk(probs, params.top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, 0.0)  # [V] (ties at the k-th value are kept)
     if params.top_p < 1:
+        probs = probs / probs.sum()
         sorted_probs, order = torch.sort(probs, descending=True)  # [V]
         keep = torch.cumsum(sorted_probs, 0) - sorted_probs < params.top_p  # [V]: mass before each token
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])  # [V]

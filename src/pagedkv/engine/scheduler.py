@@ -6,9 +6,17 @@ finds the pool full preempts the newest running request and puts it back at
 the front of the queue: with swap (a host tier exists and has room) its pages
 are copied to host rows and come back, bit for bit, when it is readmitted;
 otherwise they are released, its context reset, and its generated tokens are
-recomputed as prompt. (2) Waiting requests are
+recomputed as prompt. A request that runs alone halves its chunk instead of
+preempting itself. (2) Waiting requests are
 admitted while the budget, the batch size and the pool allow (`alloc` takes
 prefix-cache hits first), their prompt chunked to what the budget has left.
+
+Every step makes progress or raises: the oldest request either gets pages
+(by preempting newer ones, then by shrinking its chunk to one token) or can
+never run with the whole pool to itself, and then it is dropped and
+`InsufficientBlocksError` names it, what it needs and the pool. `add_request`
+refuses such requests up front (`pagedkv.engine.checks.check_fits`), so this
+is a safety net, not a path.
 """
 
 from __future__ import annotations
@@ -54,9 +62,10 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0 or request not in self.running:  # preempted by an earlier request of this loop
                 continue
-            if not self._alloc_running(request, budget):
+            chunk = self._alloc_running(request, budget)
+            if chunk is None:
                 continue
-            budget -= self._window(request, budget)
+            budget -= self._window(request, chunk)
             batch.append(request)
         batch.extend(self._admit(budget, len(batch)))
         return batch
@@ -67,18 +76,52 @@ class Scheduler:
             tokens.chunk(budget)
         return tokens.active_length
 
-    def _alloc_running(self, request: Request, budget: int) -> bool:
-        """alloc for the next window (a decode or a prefill chunk), preempting the newest requests
-        until it fits; False if `request` itself was preempted."""
+    def _alloc_running(self, request: Request, budget: int) -> int | None:
+        """alloc for the next window (a decode or a prefill chunk) of up to `budget` tokens; returns the
+        chunk it got pages for, or None if `request` itself was preempted.
+
+        When the pool is short it preempts the newest running requests; once `request` runs alone it
+        halves its chunk instead (a window group holds the pages of one step, so a smaller chunk may
+        fit). Alone at one token, it is preempted (restarted) once at this context length: window
+        pages it shares with the prefix cache (a hit, a merged commit) are never dropped while it
+        runs, and a restart gives them back. Stuck again at the same length, it can never progress:
+        it is dropped from the engine (its pages released) and `InsufficientBlocksError` names it,
+        its need and the pool; the requests behind it run on at the next step.
+        """
+        chunk = budget
         while True:
             try:
-                self.manager.alloc(request.ctx, num_scheduled_tokens=budget)
-                return True
-            except InsufficientBlocksError:
+                self.manager.alloc(request.ctx, num_scheduled_tokens=chunk)
+                return chunk
+            except InsufficientBlocksError as error:
+                if self.running == [request]:
+                    if chunk > 1:
+                        chunk //= 2
+                        continue
+                    length = len(request.ctx.tokens)
+                    if request.restarted_at == length:  # restarting did not help: it can never progress
+                        self.running.remove(request)
+                        self.manager.release(request.request_id)
+                        raise self._stuck(request, error) from error
+                    request.restarted_at = length  # once per length: pages it shares with the prefix
+                    self._preempt(request)  # cache stay held until it restarts, so restart it
+                    return None
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is request:
-                    return False
+                    return None
+
+    def _stuck(self, request: Request, error: InsufficientBlocksError) -> InsufficientBlocksError:
+        """The error of a request that cannot take one more token with the whole pool to itself."""
+        pool = self.manager.total_num_pages
+        return InsufficientBlocksError(
+            f"request {request.request_id!r} ({len(request.ctx.tokens)} tokens, "
+            f"{request.ctx.tokens.processed_length} processed) cannot run one more token alone: it needs "
+            f"{error.needed} more pages and {error.available} of the pool's {pool} are free ({error}); "
+            "raise num_pages or memory_budget",
+            needed=error.needed,
+            available=error.available,
+        )
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -116,7 +159,7 @@ class Scheduler:
         Alone in the pool, a smaller chunk may fit where a large one does not
         (windowed layers hold pages for the tokens of one step): the chunk is
         halved until it fits; if even one token does not, the request can
-        never fit and the error propagates.
+        never fit: it leaves the queue and `InsufficientBlocksError` names it, its need and the pool.
         """
         self.manager.claim(request.request_id)
         chunk = budget
@@ -124,11 +167,12 @@ class Scheduler:
             try:
                 self.manager.alloc(request.ctx, num_scheduled_tokens=chunk)
                 return chunk
-            except InsufficientBlocksError:
+            except InsufficientBlocksError as error:
                 if not alone or chunk == 1:
                     self.manager.release(request.request_id)
                     if alone:
-                        raise
+                        self.waiting.remove(request)
+                        raise self._stuck(request, error) from error
                     return None
                 chunk //= 2
 
