@@ -1,6 +1,6 @@
 """The architectures table: tiny configs of every transformers decoder the engine is tested on, and the refused.
 
-`PARITY` (model type -> config overrides on top of `COMMON`) is what
+`PARITY` (model type, or "type/variant" for a second configuration of a type -> config overrides on top of `COMMON`) is what
 `test_architectures.py` runs to parity with transformers; `REFUSED` (model type
 -> (overrides, the reason `LLMEngine.from_hf` must give)) what it must refuse.
 `docs/MODELS.md` is `render_markdown()`, which also lists the architectures the
@@ -60,15 +60,22 @@ PARITY: dict[str, dict[str, Any]] = {
     "opt": {"ffn_dim": 128, "word_embed_proj_dim": 64},
     "minimax_m2": {**MOE, "num_local_experts": 4, "head_dim": 16, "rotary_dim": 8},
     "jetmoe": {"num_experts_per_tok": 2, "kv_channels": 16},
+    "bloom": {},
+    "mpt": {"attn_config": {"alibi": True}},
+    "falcon": {"alibi": True},
+    "falcon/rotary": {"alibi": False, "new_decoder_architecture": True, "num_kv_heads": 2},
+    "stablelm": {},
+    "gemma4_text": {**TWO_TYPES, "num_kv_shared_layers": 0, "head_dim": 16, "global_head_dim": 16,
+                    "hidden_size_per_layer_input": 16},
 }  # fmt: skip
 
 # (model type, overrides, the reason in from_hf's ValueError, a regex)
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
-    ("bloom", {}, "ALiBi position biases"),
-    ("mpt", {"attn_config": {"alibi": True}}, "ALiBi position biases"),
-    ("falcon", {"alibi": True}, "ALiBi position biases"),
-    ("falcon", {"alibi": False}, "does not go through transformers' AttentionInterface"),
-    ("stablelm", {}, r"calls self_attn without \*\*kwargs"),
+    ("gemma4_text", {"head_dim": 16, "global_head_dim": 32, "num_kv_shared_layers": 0},
+     r"K/V of different shapes per layer \(full_attention: 2 K/V heads of size 32, sliding_attention: 2 K/V heads of size 16\)"),
+    ("gemma4_text", {"head_dim": 16, "global_head_dim": 16, "num_kv_shared_layers": 1, "num_hidden_layers": 3,
+                     "layer_types": ["sliding_attention", "full_attention", "full_attention"]},
+     "1 layers reuse the K/V of earlier layers"),
 ]  # fmt: skip
 
 
@@ -77,6 +84,7 @@ def build(model_type: str, overrides: dict[str, Any] | None = None, seed: int = 
     import transformers as tf
 
     kwargs = {**COMMON, **(PARITY.get(model_type, {}) if overrides is None else overrides)}
+    model_type = model_type.partition("/")[0]  # "falcon/rotary": a second configuration of one model type
     config = tf.AutoConfig.for_model(model_type, **kwargs)
     if getattr(config, "num_key_value_heads", None) is not None and "num_key_value_heads" not in kwargs:
         config = tf.AutoConfig.for_model(model_type, **kwargs, num_key_value_heads=2)
@@ -112,7 +120,7 @@ def render_markdown() -> str:
         "`tests/engine/test_architectures.py` checks it). Every row below is a transformers model type whose tiny "
         "random-weight model generates on `LLMEngine.from_hf` the same greedy tokens as transformers' own "
         "`generate()`, with fp32 logits within 1e-4, with prefix caching (a second wave reuses a prefix that is not "
-        "page-aligned) and, for models whose layers all keep every token, a pool small enough to preempt. Any other "
+        "page-aligned), in the smallest pool any one request fits, so that the first wave preempts. Any other "
         "decoder whose "
         "attention goes through transformers' `AttentionInterface` is accepted too (`pagedkv.hf.support`), "
         "without a code change; what cannot run is refused with a `ValueError` before the model is touched.",
@@ -122,7 +130,7 @@ def render_markdown() -> str:
     ]
     for model_type, overrides in PARITY.items():
         shown = ", ".join(f"`{k}={v!r}`" for k, v in overrides.items()) or "defaults"
-        lines.append(f"| `{model_type}` | test_architectures.py | {shown} |")
+        lines.append(f"| `{model_type.partition('/')[0]}` | test_architectures.py | {shown} |")
     for model_type, suite in _older_suites().items():
         lines.append(f"| `{model_type}` | {suite} | |")
     lines += ["", "## Refused (for now)", "", "| model type | config | reason |", "|---|---|---|"]

@@ -53,9 +53,9 @@ def test_errors() -> None:
         LLMEngine.from_hf(build("llama"), num_pages=8, memory_budget=10**6)
     import transformers
 
-    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match="model_type='bloom' cannot run on pagedkv: it adds ALiBi"):
-        LLMEngine.from_hf(bloom, num_pages=8)
+    config = transformers.MambaConfig(num_hidden_layers=1, hidden_size=32, vocab_size=64, state_size=4)
+    with pytest.raises(ValueError, match="model_type='mamba' cannot run on pagedkv: layer types .* keep state"):
+        LLMEngine.from_hf(transformers.MambaForCausalLM(config), num_pages=8)
     eng = engine(num_pages=2)
     with pytest.raises(ValueError, match="max_new_tokens=0 must be at least 1"):
         eng.add_request([1, 2], 0)

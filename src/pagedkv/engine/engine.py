@@ -28,9 +28,10 @@ from pagedkv.engine.checks import check_prompts, check_request
 from pagedkv.engine.request import Request
 from pagedkv.engine.sampling import SamplingParams, sample
 from pagedkv.engine.scheduler import Scheduler
-from pagedkv.hf.attention import register
+from pagedkv.hf import alibi
+from pagedkv.hf.attention import pagedkv_attention, register
 from pagedkv.hf.config import kv_layout
-from pagedkv.hf.context import ATTENTION_NAME, ForwardContext
+from pagedkv.hf.context import ATTENTION_NAME, ForwardContext, active
 from pagedkv.hf.rope import install as install_positions
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheQuantizationConfig
@@ -91,6 +92,11 @@ class LLMEngine:
             raise ValueError("LLMEngine drives one replica on one device")
         self.model = model
         install_positions(model)  # length-dependent RoPE per request (`pagedkv.hf.rope`)
+        self._alibi_slopes = None  # float32 [H_q]: an ALiBi model's slopes, once (`pagedkv.hf.alibi`)
+        if alibi.wrapped_type(getattr(model, "config", None)) is not None:
+            slopes = alibi.slopes(model)
+            self._alibi_slopes = None if slopes is None else slopes.to(manager.params.devices[0].to_torch())
+            alibi.install(model, pagedkv_attention)
         self.manager = manager
         self.layer_map = dict(layer_map or {})
         self._group_params = manager.params.leaves()
@@ -130,7 +136,8 @@ class LLMEngine:
         attention types get one page table per group over one pool. Give either `num_pages` or
         `memory_budget` (bytes for the KV pages). The model is modified in place: its attention
         implementation becomes ``"pagedkv"`` (only once every argument was accepted: a failing call
-        leaves the model as it was). Every size is checked under its own name (`page_size`,
+        leaves the model as it was); Bloom, MPT and Falcon keep theirs and get their attention modules
+        wrapped instead (`pagedkv.hf.alibi`: ALiBi slopes once per model; the original forward outside a step). Every size is checked under its own name (`page_size`,
         `num_pages`, `memory_budget`, `max_batch_size`, `max_num_batched_tokens`, ...). Switching the
         model to another implementation afterwards (e.g. to call its own ``generate``) makes `step`
         raise until it is switched back with ``model.set_attn_implementation("pagedkv")``. `params_kwargs` go to `KVCacheParams` (e.g.
@@ -172,14 +179,16 @@ class LLMEngine:
                 )
             manager = PagedKVCacheManager.from_memory_budget(params, memory_budget, max_batch_size=max_batch_size)
         previous = getattr(model.config, "_attn_implementation", None)
-        model.set_attn_implementation(register())  # type: ignore[operator]
+        register()
+        if alibi.wrapped_type(model.config) is None:  # Bloom, MPT, Falcon keep theirs; their attention is wrapped
+            model.set_attn_implementation(ATTENTION_NAME)  # type: ignore[operator]
         try:
             return cls(
                 model, manager, max_num_batched_tokens=max_num_batched_tokens, record_logits=record_logits,
                 layer_map=layout.layer_map, preemption_mode=preemption_mode,
             )  # fmt: skip
         except BaseException:
-            if previous is not None:
+            if previous is not None and alibi.wrapped_type(model.config) is None:
                 model.set_attn_implementation(previous)  # type: ignore[operator]
             manager.close()
             raise
@@ -354,8 +363,9 @@ class LLMEngine:
         context = ForwardContext.build(
             inputs, self._group_params, torch.from_numpy(offsets), len(ids), self.layer_map,
             sequence_lengths=lengths, model_config=getattr(self.model, "config", None),
+            alibi_slopes=self._alibi_slopes,
         )  # fmt: skip
-        with torch.inference_mode():
+        with torch.inference_mode(), active(context):  # for layers that drop the pagedkv keyword
             out = self.model(
                 input_ids=torch.from_numpy(ids).to(self.device)[None],
                 position_ids=context.positions[None],  # [1, T], computed once with the metadata

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.hf.context import ATTENTION_NAME, ForwardContext, GroupContext
+from pagedkv.hf.context import ATTENTION_NAME, ForwardContext, GroupContext, current
 
 __all__ = ["ATTENTION_NAME", "ForwardContext", "GroupContext", "pagedkv_attention", "register"]
 
@@ -35,12 +35,14 @@ def pagedkv_attention(
     """Store this layer's new K/V in its pages and attend over them.
 
     query [1, H_q, T, D], key/value [1, H_kv, T, D] -> ([1, T, H_q, D], None).
+    The context is the ``pagedkv`` keyword or, for decoder layers that drop keywords (StableLM), the one
+    the engine made current for the pass (`pagedkv.hf.context.active`).
     Learned sinks (``s_aux``, gpt-oss) and ``softcap`` come from transformers'
     kwargs; windows and chunks from the layer's group. Raises ValueError when
     called without a ``pagedkv`` context or when transformers' window
     disagrees with the cache's.
     """
-    ctx = kwargs.get(ATTENTION_NAME)
+    ctx = kwargs.get(ATTENTION_NAME) or current()  # the keyword, else the engine's current pass
     if not isinstance(ctx, ForwardContext):
         raise ValueError(
             "attn_implementation='pagedkv' needs model(..., pagedkv=ForwardContext(...)); run the model through "

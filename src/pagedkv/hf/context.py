@@ -11,6 +11,9 @@ all read this module's types; it imports none of them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,18 +26,41 @@ from pagedkv.ops.metadata import PagedMetadata
 from pagedkv.params import KVCacheParams
 from pagedkv.runtime.inputs import RaggedKVCacheInputs
 
-__all__ = ["ATTENTION_NAME", "ForwardContext", "GroupContext", "attention_options"]
+__all__ = ["ATTENTION_NAME", "ForwardContext", "GroupContext", "active", "attention_options", "current"]
 
 ATTENTION_NAME = "pagedkv"
+_CURRENT: ContextVar[ForwardContext | None] = ContextVar("pagedkv_forward_context", default=None)
 
 
-def attention_options(params: KVCacheParams) -> AttentionOptions:
-    """The `ops.paged_attention` options that follow from a group's attention kind (window, chunk, sinks, cross)."""
+def current() -> ForwardContext | None:
+    """The forward context of the pass running now (`active`), or None outside the engine's forward."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def active(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Make `ctx` the current forward context for the duration of one model forward.
+
+    The engine passes the context as the ``pagedkv=ctx`` keyword too; this reaches the attention of
+    models whose decoder layers call their attention module without ``**kwargs`` (StableLM) and the
+    wrapped attention modules of ALiBi models (`pagedkv.hf.alibi`). One context-variable set per step.
+    """
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
+def attention_options(params: KVCacheParams, alibi_slopes: torch.Tensor | None = None) -> AttentionOptions:
+    """The `ops.paged_attention` options that follow from a group's attention kind (window, chunk, sinks, cross)
+    and the model's ALiBi slopes [H_q] (None: no ALiBi)."""
     return AttentionOptions(
         sliding_window=params.sliding_window,
         chunk_size=params.attention_chunk_size,
         sink_tokens=params.sink_tokens,
         causal=not params.is_cross_attention,
+        alibi_slopes=alibi_slopes,
     )
 
 
@@ -94,6 +120,7 @@ class ForwardContext:
         *,
         sequence_lengths: torch.Tensor | None = None,
         model_config: Any = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> ForwardContext:
         """A context for one device: `inputs[g]` and `params[g]` per group, `num_tokens` packed tokens.
 
@@ -103,7 +130,8 @@ class ForwardContext:
         `sequence_lengths` (int [B], host): each request's whole length at this step (see the
         attribute). `model_config` (the transformers config): its position-dependent features
         are computed here, once per step, from each token's own position (`pagedkv.hf.positions`);
-        without it a temperature-tuned Llama 4 layer refuses to run. Raises ValueError when
+        without it a temperature-tuned Llama 4 layer refuses to run. `alibi_slopes` (float32 [H_q], the
+        model's, `pagedkv.hf.alibi.slopes`) join every group's options. Raises ValueError when
         `sequence_lengths` does not have one entry per request.
         """
         offsets = input_row_offsets.to(inputs[0].cache_lengths.device)  # [B + 1]
@@ -112,7 +140,11 @@ class ForwardContext:
         for group_inputs, group_params in zip(inputs, params, strict=True):
             key = id(group_inputs.cache_lengths)
             step = ops.PagedStep.build(
-                group_inputs, offsets, num_tokens, attention_options(group_params), positions_of=positions.get(key)
+                group_inputs,
+                offsets,
+                num_tokens,
+                attention_options(group_params, alibi_slopes),
+                positions_of=positions.get(key),
             )
             positions.setdefault(key, step.metadata)
             groups.append(GroupContext(group_params, step))

@@ -8,12 +8,14 @@ around attention (partial rotary, QK-norm, NoPE layers, multipliers, parallel
 residuals, MoE routers, learned absolute positions) needs nothing more than the
 ``position_ids`` the engine passes. Scaling, softcap, sliding windows and
 learned sinks (``s_aux``) arrive as keywords that `pagedkv.hf.attention`
-applies; windows and chunks come from the config's layer types
+applies; Bloom, MPT and Falcon (ALiBi or rotary) compute attention
+themselves and are served by wrapping their attention modules
+(`pagedkv.hf.alibi`); windows and chunks come from the config's layer types
 (`pagedkv.hf.config`).
 
 `check_config` refuses, from the config alone, what no decoder layout can hold:
 state beyond K/V (Mamba / linear-attention layer types), vision or audio
-towers, K/V shared across layers, ALiBi. `check_model` adds the checks on the
+towers, K/V shared across layers, ALiBi other than `pagedkv.hf.alibi`'s. `check_model` adds the checks on the
 modules; both raise ValueError naming the model type and the reason, before
 anything in the model is changed.
 """
@@ -26,6 +28,9 @@ import textwrap
 from typing import Any
 
 import torch
+
+from pagedkv.hf.alibi import kv_shape as alibi_kv_shape
+from pagedkv.hf.alibi import wrapped_type
 
 __all__ = ["ATTENTION_KINDS", "ATTENTION_KEYWORDS", "attention_modules", "check_config", "check_model", "kv_shape"]
 
@@ -52,9 +57,10 @@ def check_config(config: Any) -> None:
         raise _refuse(config, "encoder-decoder models run on pagedkv.engine.EncoderDecoderEngine")
     if any(getattr(config, name, None) is not None for name in _MULTIMODAL):
         raise _refuse(config, "it takes vision or audio inputs; only text decoders are served")
+    _check_per_layer_shapes(config)
     if getattr(config, "num_kv_shared_layers", 0):
         raise _refuse(config, f"{config.num_kv_shared_layers} layers reuse the K/V of earlier layers (KV sharing)")
-    if _alibi(config):
+    if _alibi(config) and wrapped_type(config) is None:
         raise _refuse(config, "it adds ALiBi position biases, which pagedkv's attention does not apply yet")
     kinds = getattr(config, "layer_types", None) or []
     other = sorted({k for k in kinds if k not in ATTENTION_KINDS})
@@ -62,9 +68,34 @@ def check_config(config: Any) -> None:
         raise _refuse(config, f"layer types {other} keep state beyond K/V (only {ATTENTION_KINDS} are paged)")
 
 
+def _per_layer_shapes(config: Any) -> list[tuple[int, int]] | None:
+    """(K/V heads, head size) of each layer of a heterogeneous config (transformers' ``per_layer_config``,
+    e.g. Gemma 4), or None for a homogeneous one. Reads only the per-layer views."""
+    if not getattr(config, "is_heterogeneous", False):
+        return None
+    shapes = []
+    for layer in config.per_layer_config:
+        heads = layer.num_attention_heads
+        kv_heads = getattr(layer, "num_key_value_heads", None) or heads
+        shapes.append((kv_heads, getattr(layer, "head_dim", None) or layer.hidden_size // heads))
+    return shapes
+
+
+def _check_per_layer_shapes(config: Any) -> None:
+    shapes = _per_layer_shapes(config)
+    if shapes is not None and len(set(shapes)) > 1:
+        kinds = getattr(config, "layer_types", None) or [str(i) for i in range(len(shapes))]
+        by_kind = sorted({(k, s) for k, s in zip(kinds, shapes, strict=False)})
+        shown = ", ".join(f"{k}: {h} K/V heads of size {d}" for k, (h, d) in by_kind)
+        raise _refuse(config, f"its layers cache K/V of different shapes per layer ({shown}); one pool holds one shape")
+
+
 def kv_shape(config: Any) -> tuple[int, int]:
     """(K/V heads, head size) of a config: ``num_key_value_heads`` (else every query head) and ``head_dim``
-    (else hidden size / heads)."""
+    (else hidden size / heads); a heterogeneous config's (all layers alike, `check_config`) from its first layer."""
+    shapes = _per_layer_shapes(config)
+    if shapes:
+        return shapes[0]
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -107,20 +138,6 @@ def _uses_alibi(model: torch.nn.Module) -> bool:
     return False
 
 
-def _calls_without_kwargs(parent: torch.nn.Module, attr: str) -> bool:
-    """True when `parent`'s forward calls ``self.<attr>(...)`` and never with ``**kwargs``."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(parent).forward))))
-    except (OSError, TypeError, SyntaxError):
-        return False
-    calls = [
-        node for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attr
-        and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
-    ]  # fmt: skip
-    return bool(calls) and not any(k.arg is None for call in calls for k in call.keywords)
-
-
 def check_model(model: torch.nn.Module) -> tuple[int, int]:
     """(K/V heads, head size) of `model`'s attention, or ValueError naming the model type and the reason
     when it cannot run on pagedkv pages.
@@ -131,6 +148,8 @@ def check_model(model: torch.nn.Module) -> tuple[int, int]:
     """
     config: Any = model.config
     check_config(config)
+    if wrapped_type(config) is not None:  # attention modules wrapped by `pagedkv.hf.alibi`
+        return alibi_kv_shape(config)
     layers = getattr(config, "num_hidden_layers", None)
     attention = attention_modules(model)
     if not attention:
@@ -140,7 +159,6 @@ def check_model(model: torch.nn.Module) -> tuple[int, int]:
     can_set = getattr(type(model), "_can_set_attn_implementation", None)
     if callable(can_set) and not can_set():
         raise _refuse(config, "transformers cannot switch its attention implementation")
-    modules = dict(model.named_modules())
     mla = getattr(config, "model_type", None) in ("deepseek_v2", "deepseek_v3")
     seen: dict[int, str] = {}
     shapes: set[tuple[int, int]] = set()
@@ -158,12 +176,6 @@ def check_model(model: torch.nn.Module) -> tuple[int, int]:
         extra = sorted((_attention_keywords(module) or set()) - ATTENTION_KEYWORDS)
         if extra:
             raise _refuse(config, f"{name} passes {extra} to its attention function, which pagedkv does not apply")
-        parent, _, attr = name.rpartition(".")
-        if _calls_without_kwargs(modules[parent], attr):
-            raise _refuse(
-                config, f"{parent} calls {attr} without **kwargs, so the engine's forward context never "
-                "reaches the attention function",
-            )  # fmt: skip
         kv_heads, head = kv_shape(config)
         groups = getattr(module, "num_key_value_groups", None)
         if isinstance(groups, int) and groups > 0:
