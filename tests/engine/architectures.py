@@ -65,14 +65,12 @@ PARITY: dict[str, dict[str, Any]] = {
     "falcon": {"alibi": True},
     "falcon/rotary": {"alibi": False, "new_decoder_architecture": True, "num_kv_heads": 2},
     "stablelm": {},
-    "gemma4_text": {**TWO_TYPES, "num_kv_shared_layers": 0, "head_dim": 16, "global_head_dim": 16,
+    "gemma4_text": {**TWO_TYPES, "num_kv_shared_layers": 0, "head_dim": 16, "global_head_dim": 32,
                     "hidden_size_per_layer_input": 16},
 }  # fmt: skip
 
 # (model type, overrides, the reason in from_hf's ValueError, a regex)
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
-    ("gemma4_text", {"head_dim": 16, "global_head_dim": 32, "num_kv_shared_layers": 0},
-     r"K/V of different shapes per layer \(full_attention: 2 K/V heads of size 32, sliding_attention: 2 K/V heads of size 16\)"),
     ("gemma4_text", {"head_dim": 16, "global_head_dim": 16, "num_kv_shared_layers": 1, "num_hidden_layers": 3,
                      "layer_types": ["sliding_attention", "full_attention", "full_attention"]},
      "1 layers reuse the K/V of earlier layers"),

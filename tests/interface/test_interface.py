@@ -23,6 +23,7 @@ from pagedkv.interface import (
     compute_layer_kv_cache_shape_bytes,
     get_kv_cache_config,
     get_kv_quant_mode,
+    group_layer_specs,
     kv_cache_config_from_params,
     kv_cache_uses_per_token_head_scales,
     num_states_for,
@@ -144,3 +145,13 @@ def test_bridge_round_trip() -> None:
     cross = KVCacheParams(dtype=BF16, n_kv_heads=8, head_dim=128, num_layers=3, devices=cpu, is_cross_attention=True)
     assert isinstance(spec_from_params(cross), CrossAttentionSpec)
     assert kv_cache_config_from_params(cross, 7).kv_cache_groups[0].layer_names == ["cache.0", "cache.1", "cache.2"]
+
+
+def test_group_layer_specs_by_shape_splits_one_type_of_two_shapes() -> None:
+    """Gemma 4: full layers with a larger head than the sliding ones; `by_shape` keeps one page shape per group
+    (three types of 2, 1, 1 layers: groups of one layer, as vLLM sizes them)."""
+    wide = dataclasses.replace(FULL, head_size=256)
+    specs = {"0": SWA, "1": FULL, "2": wide, "3": SWA}
+    assert [names for names, _ in group_layer_specs(specs)] == [["0", "3"], ["1", "2"]]
+    grouped = group_layer_specs(specs, by_shape=True)
+    assert [(names, spec) for names, spec in grouped] == [(["0"], SWA), (["3"], SWA), (["1"], FULL), (["2"], wide)]

@@ -255,3 +255,29 @@ def test_multi_buffer_dp2() -> None:
         [(2, 2, 1, 4, 1, 2), (2, 2, 1, 4, 1, 3)]
     ] * 2
     assert bufs[0].leaves()[0].values[0].data_ptr() != bufs[1].leaves()[0].values[0].data_ptr()
+
+
+def test_arena_groups_of_different_page_shapes_alias_one_pool() -> None:
+    """Groups whose K/V shapes differ (Gemma 4: head 16 sliding, head 32 full) view one arena with their own
+    shape; a page id's row is the larger page, and writing one group's page touches no other page id."""
+    from pagedkv.dtype import DeviceRef, DType
+    from pagedkv.params import KVCacheParams
+    from pagedkv.runtime.arena import allocate_arena_buffers
+
+    small, large = (
+        KVCacheParams(
+            dtype=DType.float32, n_kv_heads=2, head_dim=d, num_layers=1, page_size=4, devices=[DeviceRef.CPU()]
+        )
+        for d in (16, 32)
+    )
+    (buffer,) = allocate_arena_buffers(["group0", "group1"], [small, large], 5)
+    (arena,) = buffer.arenas
+    assert tuple(arena.shape) == (5, large.bytes_per_block_per_device)
+    v0, v1 = buffer.children["group0"].values[0], buffer.children["group1"].values[0]
+    assert tuple(v0.shape) == (5, *small.shape_per_block) and tuple(v1.shape) == (5, *large.shape_per_block)
+    assert v0.data_ptr() == v1.data_ptr() == arena.data_ptr()
+    v0[2] = 1.0
+    assert arena[2, : small.bytes_per_block_per_device].any() and not arena[2, small.bytes_per_block_per_device :].any()
+    assert not arena[[0, 1, 3, 4]].any()
+    v1[3] = 2.0
+    assert bool((v1[3] == 2.0).all()) and bool((v0[2] == 1.0).all())

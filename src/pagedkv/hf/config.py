@@ -7,7 +7,9 @@ Phi-3, Starcoder2) and full otherwise; DeepSeek V2/V3 cache one MLA latent (``kv
 qk_rope_head_dim``) per token. Mixed types are grouped as vLLM's hybrid
 allocator groups them (`pagedkv.interface.group_layer_specs`): each group is
 a child ``group{i}`` of a `MultiKVCacheParams`, and `layer_map[i]` says which
-group and which layer slot of it layer i uses.
+group and which layer slot of it layer i uses. Layers of one type whose K/V
+shapes differ (Gemma 4's full layers have a larger head) are separate groups,
+each with its own page shape over the one pool (`pagedkv.runtime.arena`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 
 from pagedkv.dtype import DeviceRef, DType
-from pagedkv.hf.support import check_config, check_model, kv_shape
+from pagedkv.hf.support import check_config, check_model, kv_shapes
 from pagedkv.interface.bridge import params_from_kv_cache_config
 from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec, group_layer_specs
 from pagedkv.multi_params import MultiKVCacheParams
@@ -96,14 +98,16 @@ def kv_layout(
     ValueError (`pagedkv.hf.support.check_config`) for a config no paged decoder layout holds. With
     `model` (as `LLMEngine.from_hf` passes it), its modules are checked first and the K/V shape is the
     one they pass to attention (`pagedkv.hf.support.check_model`); without, it comes from the config.
+    Layers are grouped by attention type and K/V shape, so a group's params carry its own ``n_kv_heads``
+    and ``head_dim`` (Gemma 4: sliding and full layers differ); all groups share one pool of page ids.
     """
-    shape = kv_shape(config) if model is None else check_model(model)
     check_config(config)
+    shapes = kv_shapes(config) if model is None else check_model(model)
     storage = kv_dtype or DType.from_torch(dtype)
     specs: dict[str, KVCacheSpec] = {
-        str(i): _layer_spec(config, k, page_size, storage, shape) for i, k in enumerate(_layer_kinds(config))
+        str(i): _layer_spec(config, k, page_size, storage, shapes[i]) for i, k in enumerate(_layer_kinds(config))
     }
-    groups = group_layer_specs(specs)
+    groups = group_layer_specs(specs, by_shape=True)
     devices = [device_ref(device or torch.device("cpu"))]
     extra: dict[str, Any] = dict(kvcache_quant_config=quantization, num_q_heads=config.num_attention_heads)
     extra.update(params_kwargs)

@@ -11,7 +11,8 @@ learned sinks (``s_aux``) arrive as keywords that `pagedkv.hf.attention`
 applies; Bloom, MPT and Falcon (ALiBi or rotary) compute attention
 themselves and are served by wrapping their attention modules
 (`pagedkv.hf.alibi`); windows and chunks come from the config's layer types
-(`pagedkv.hf.config`).
+(`pagedkv.hf.config`), and so do per-layer K/V shapes of heterogeneous configs
+(Gemma 4: `kv_shapes`, one page-table group per attention type and shape).
 
 `check_config` refuses, from the config alone, what no decoder layout can hold:
 state beyond K/V (Mamba / linear-attention layer types), vision or audio
@@ -32,7 +33,15 @@ import torch
 from pagedkv.hf.alibi import kv_shape as alibi_kv_shape
 from pagedkv.hf.alibi import wrapped_type
 
-__all__ = ["ATTENTION_KINDS", "ATTENTION_KEYWORDS", "attention_modules", "check_config", "check_model", "kv_shape"]
+__all__ = [
+    "ATTENTION_KINDS",
+    "ATTENTION_KEYWORDS",
+    "attention_modules",
+    "check_config",
+    "check_model",
+    "kv_shape",
+    "kv_shapes",
+]
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 # keywords of the attention-function call that pagedkv applies (or that change nothing at inference)
@@ -57,7 +66,6 @@ def check_config(config: Any) -> None:
         raise _refuse(config, "encoder-decoder models run on pagedkv.engine.EncoderDecoderEngine")
     if any(getattr(config, name, None) is not None for name in _MULTIMODAL):
         raise _refuse(config, "it takes vision or audio inputs; only text decoders are served")
-    _check_per_layer_shapes(config)
     if getattr(config, "num_kv_shared_layers", 0):
         raise _refuse(config, f"{config.num_kv_shared_layers} layers reuse the K/V of earlier layers (KV sharing)")
     if _alibi(config) and wrapped_type(config) is None:
@@ -81,24 +89,22 @@ def _per_layer_shapes(config: Any) -> list[tuple[int, int]] | None:
     return shapes
 
 
-def _check_per_layer_shapes(config: Any) -> None:
-    shapes = _per_layer_shapes(config)
-    if shapes is not None and len(set(shapes)) > 1:
-        kinds = getattr(config, "layer_types", None) or [str(i) for i in range(len(shapes))]
-        by_kind = sorted({(k, s) for k, s in zip(kinds, shapes, strict=False)})
-        shown = ", ".join(f"{k}: {h} K/V heads of size {d}" for k, (h, d) in by_kind)
-        raise _refuse(config, f"its layers cache K/V of different shapes per layer ({shown}); one pool holds one shape")
-
-
 def kv_shape(config: Any) -> tuple[int, int]:
     """(K/V heads, head size) of a config: ``num_key_value_heads`` (else every query head) and ``head_dim``
-    (else hidden size / heads); a heterogeneous config's (all layers alike, `check_config`) from its first layer."""
+    (else hidden size / heads); a heterogeneous config's from its first layer (`kv_shapes` has every layer's)."""
     shapes = _per_layer_shapes(config)
     if shapes:
         return shapes[0]
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def kv_shapes(config: Any) -> list[tuple[int, int]]:
+    """(K/V heads, head size) of every layer: per layer for a heterogeneous config (Gemma 4's sliding and
+    full layers differ), else `kv_shape` for all."""
+    shapes = _per_layer_shapes(config)
+    return shapes if shapes else [kv_shape(config)] * config.num_hidden_layers
 
 
 def _forward_code(module: torch.nn.Module) -> Any:
@@ -138,18 +144,19 @@ def _uses_alibi(model: torch.nn.Module) -> bool:
     return False
 
 
-def check_model(model: torch.nn.Module) -> tuple[int, int]:
-    """(K/V heads, head size) of `model`'s attention, or ValueError naming the model type and the reason
+def check_model(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """(K/V heads, head size) of each layer of `model`'s attention, or ValueError naming the model type and the reason
     when it cannot run on pagedkv pages.
 
     Reads the config (`check_config`) and the modules; changes nothing. The shape is what the
     attention modules pass to the attention function: ``head_dim`` and ``num_key_value_groups`` of the
-    modules where they have them (JetMoE repeats its K/V heads before the call), else the config's.
+    modules where they have them (JetMoE repeats its K/V heads before the call), else the config's
+    (per layer where the config is heterogeneous: Gemma 4's full layers have their own head size).
     """
     config: Any = model.config
     check_config(config)
     if wrapped_type(config) is not None:  # attention modules wrapped by `pagedkv.hf.alibi`
-        return alibi_kv_shape(config)
+        return [alibi_kv_shape(config)] * config.num_hidden_layers
     layers = getattr(config, "num_hidden_layers", None)
     attention = attention_modules(model)
     if not attention:
@@ -161,7 +168,8 @@ def check_model(model: torch.nn.Module) -> tuple[int, int]:
         raise _refuse(config, "transformers cannot switch its attention implementation")
     mla = getattr(config, "model_type", None) in ("deepseek_v2", "deepseek_v3")
     seen: dict[int, str] = {}
-    shapes: set[tuple[int, int]] = set()
+    shapes: dict[int, tuple[int, int]] = {}
+    config_shapes = _per_layer_shapes(config)
     for name, module in attention:
         idx = getattr(module, "layer_idx", None)
         if not isinstance(idx, int):
@@ -176,12 +184,16 @@ def check_model(model: torch.nn.Module) -> tuple[int, int]:
         extra = sorted((_attention_keywords(module) or set()) - ATTENTION_KEYWORDS)
         if extra:
             raise _refuse(config, f"{name} passes {extra} to its attention function, which pagedkv does not apply")
-        kv_heads, head = kv_shape(config)
+        if config_shapes is not None and idx < len(config_shapes):
+            layer_config = config.per_layer_config[idx]
+            (kv_heads, head), q_heads = config_shapes[idx], layer_config.num_attention_heads
+        else:
+            (kv_heads, head), q_heads = kv_shape(config), config.num_attention_heads
         groups = getattr(module, "num_key_value_groups", None)
         if isinstance(groups, int) and groups > 0:
-            kv_heads = config.num_attention_heads // groups
+            kv_heads = q_heads // groups
         own_head = getattr(module, "head_dim", None)
-        shapes.add((kv_heads, own_head if isinstance(own_head, int) else head))
+        shapes[idx] = (kv_heads, own_head if isinstance(own_head, int) else head)
     if layers is not None and sorted(seen) != list(range(layers)):
         missing = sorted(set(range(layers)) - set(seen))
         raise _refuse(
@@ -191,6 +203,6 @@ def check_model(model: torch.nn.Module) -> tuple[int, int]:
             if missing
             else f"attention layer indices {sorted(seen)} do not match {layers} layers",
         )
-    if len(shapes) > 1 and not mla:
-        raise _refuse(config, f"its layers cache K/V of different shapes (K/V heads, head size) {sorted(shapes)}")
-    return shapes.pop() if not mla else kv_shape(config)
+    if mla:
+        return [kv_shape(config)] * len(seen)
+    return [shapes[i] for i in sorted(shapes)]

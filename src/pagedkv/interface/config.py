@@ -134,15 +134,25 @@ def reshape_kv_cache(
     return [logical[slot].view(dtype) for slot in range(num_layer_slots)]
 
 
-def group_layer_specs(specs: dict[str, KVCacheSpec]) -> list[tuple[list[str], KVCacheSpec]]:
-    """Layers grouped as `get_kv_cache_config` groups them: (layer names, merged spec) per group."""
-    return _group_layers(specs)
+def group_layer_specs(specs: dict[str, KVCacheSpec], *, by_shape: bool = False) -> list[tuple[list[str], KVCacheSpec]]:
+    """Layers grouped as `get_kv_cache_config` groups them: (layer names, merged spec) per group.
+
+    With `by_shape`, layers of one type but different K/V shapes (heads, head size, dtype) are different
+    types, so every group has one page shape (pagedkv's own buffers: one `KVCacheParams` per group).
+    """
+    return _group_layers(specs, by_shape=by_shape)
 
 
-def _group_layers(specs: dict[str, KVCacheSpec]) -> list[tuple[list[str], KVCacheSpec]]:
+def _shape_key(spec: KVCacheSpec) -> tuple[Any, ...]:
+    if not isinstance(spec, AttentionSpec):
+        return ()
+    return (spec.num_kv_heads, spec.head_size, spec.dtype)
+
+
+def _group_layers(specs: dict[str, KVCacheSpec], by_shape: bool = False) -> list[tuple[list[str], KVCacheSpec]]:
     by_type: dict[tuple[Any, ...], list[str]] = defaultdict(list)
     for name, spec in specs.items():
-        by_type[_slot_key(spec)].append(name)
+        by_type[_slot_key(spec) + (_shape_key(spec) if by_shape else ())].append(name)
     counts = [len(v) for v in by_type.values()]
     group_size = max(counts) if max(counts) < 1.5 * min(counts) else min(counts)
     groups = []
