@@ -250,8 +250,8 @@ class TQFullAttentionSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True, kw_only=True)
-class MLAAttentionSpec(FullAttentionSpec):
-    """Multi-head latent attention: one latent of `head_size` per token (no separate V)."""
+class _LatentSpec(AttentionSpec):
+    """What MLA specs share: one latent of `head_size` per token, no separate V, no heads."""
 
     cache_dtype_str: str | None = None
 
@@ -267,6 +267,11 @@ class MLAAttentionSpec(FullAttentionSpec):
     @property
     def real_page_size_bytes(self) -> int:
         return self.block_size * self.num_kv_heads * self.head_size * self.dtype.size_in_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLAAttentionSpec(_LatentSpec, FullAttentionSpec):
+    """Multi-head latent attention: one latent of `head_size` per token (no separate V)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -310,23 +315,8 @@ class SlidingWindowSpec(AttentionSpec):
 
 
 @dataclass(frozen=True, kw_only=True)
-class SlidingWindowMLASpec(SlidingWindowSpec):
+class SlidingWindowMLASpec(_LatentSpec, SlidingWindowSpec):
     """A sliding window over MLA latents (one latent per token)."""
-
-    cache_dtype_str: str | None = None
-
-    @property
-    def kv_dim(self) -> int:
-        return 1
-
-    @property
-    def num_heads(self) -> int:
-        """1: the latent is headless."""
-        return 1
-
-    @property
-    def real_page_size_bytes(self) -> int:
-        return self.block_size * self.num_kv_heads * self.head_size * self.dtype.size_in_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
