@@ -28,13 +28,15 @@ import torch
 
 from pagedkv.ops import reference, torch_ops
 from pagedkv.ops.checks import check_attention, check_step, check_store, reject_nonfinite
+from pagedkv.ops.conv_state import causal_conv1d
+from pagedkv.ops.gated_delta import gated_delta_rule
 from pagedkv.ops.masks import AttentionOptions
 from pagedkv.ops.metadata import PagedMetadata
 from pagedkv.runtime.inputs import RaggedKVCacheInputs
 
 __all__ = [
     "AttentionOptions", "PagedMetadata", "PagedStep", "paged_attention", "store_kv", "set_backend", "use_backend",
-    "BACKENDS",
+    "BACKENDS", "causal_conv1d", "gated_delta_rule",
 ]  # fmt: skip
 
 BACKENDS = ("auto", "reference", "torch", "triton")
