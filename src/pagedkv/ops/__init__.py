@@ -33,11 +33,12 @@ from pagedkv.ops.gated_delta import gated_delta_rule
 from pagedkv.ops.masks import AttentionOptions
 from pagedkv.ops.metadata import PagedMetadata
 from pagedkv.ops.selective_scan import selective_scan
+from pagedkv.ops.ssd import ssd_scan
 from pagedkv.runtime.inputs import RaggedKVCacheInputs
 
 __all__ = [
     "AttentionOptions", "PagedMetadata", "PagedStep", "paged_attention", "store_kv", "set_backend", "use_backend",
-    "BACKENDS", "causal_conv1d", "gated_delta_rule", "selective_scan",
+    "BACKENDS", "causal_conv1d", "gated_delta_rule", "selective_scan", "ssd_scan",
 ]  # fmt: skip
 
 BACKENDS = ("auto", "reference", "torch", "triton")
