@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.ops.state_slots import ChunkLayout, initial_states
+
 __all__ = ["gated_delta_reference", "gated_delta_rule", "l2norm"]
 
 
@@ -87,14 +89,6 @@ def _prepare(
         q, k = l2norm(q), l2norm(k)
     q = q * (q.shape[-1] ** -0.5 if scale is None else scale)  # [T, H_v, Dk]
     return q, k, v, g32, b32
-
-
-def _initial_states(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
-    """[B, H, Dk, Dv]: each request's stored state, or zeros where it has none (never reads garbage in)."""
-    stored = state[slots.long()]  # [B, H, Dk, Dv]
-    return torch.where(
-        has_state[:, None, None, None], stored, torch.zeros((), dtype=stored.dtype, device=stored.device)
-    )
 
 
 def gated_delta_reference(
@@ -166,26 +160,9 @@ def _chunked(
     """
     device, c = q.device, chunk_size
     h, d_v = k.shape[1], v.shape[2]
-    n_chunks = [-(-n // c) for n in lengths]
-    first_chunk = [0]
-    for n in n_chunks:
-        first_chunk.append(first_chunk[-1] + n)
-    total_rows, total_chunks = sum(lengths), first_chunk[-1]
-
-    # Where each token goes: rows (packed input) -> dest (padded chunk layout)
-    lengths_t = torch.tensor(lengths, device=device)  # [P]
-    request = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_t, output_size=total_rows)
-    token_start = torch.cumsum(lengths_t, 0) - lengths_t  # [P] first token of p among the R
-    position = torch.arange(total_rows, device=device) - token_start[request]  # [R] position within its request
-    rows = torch.tensor(starts, device=device)[request] + position  # [R]
-    first_chunk_t = torch.tensor(first_chunk[:-1], device=device)  # [P]
-    dest = first_chunk_t[request] * c + position  # [R]
-
-    def padded(x: torch.Tensor) -> torch.Tensor:
-        """[R, H, ...] rows -> [N, H, C, ...] zero-padded chunks."""
-        flat = x.new_zeros((total_chunks * c, *x.shape[1:]))  # [N * C, H, ...]
-        flat[dest] = x[rows]
-        return flat.reshape(total_chunks, c, *x.shape[1:]).transpose(1, 2).contiguous()
+    layout = ChunkLayout(lengths, starts, c, device)
+    padded, n_chunks, first_chunk_t = layout.padded, layout.n_chunks, layout.first_chunk
+    total_chunks, rows = layout.total_chunks, layout.rows
 
     qc, kc, vc = padded(q), padded(k), padded(v)  # [N, H, C, Dk|Dv]
     decay, bc = padded(g), padded(beta)  # [N, H, C]
@@ -216,7 +193,7 @@ def _chunked(
         v_new = new_values[idx] - k_cumdecay[idx] @ s_a  # [A, H, C, Dv]
         out[idx] = q_decayed[idx] @ s_a + intra_attn[idx] @ v_new
         s[:active] = s_a * chunk_decay[idx] + k_decayed[idx].transpose(-1, -2) @ v_new
-    out_rows = out.transpose(1, 2).reshape(total_chunks * c, h, d_v)[dest]  # [R, H, Dv]
+    out_rows = layout.unpadded(out)  # [R, H, Dv]
     return rows, out_rows, s
 
 
@@ -250,7 +227,7 @@ def gated_delta_rule(
     offsets = input_row_offsets.tolist()
     lengths = [offsets[b + 1] - offsets[b] for b in range(len(offsets) - 1)]
     device = value.device
-    initial = _initial_states(state, slots, has_state)  # [B, H, Dk, Dv]
+    initial = initial_states(state, slots, has_state)  # [B, H, Dk, Dv]
     final = initial.clone()  # [B, H, Dk, Dv]
     out = torch.zeros(value.shape, dtype=torch.float32, device=device)  # [T, H_v, Dv]
 

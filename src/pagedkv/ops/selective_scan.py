@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.ops.state_slots import initial_states
+
 __all__ = ["selective_scan", "selective_scan_reference"]
 
 
@@ -102,12 +104,6 @@ def _finish(
     if z is not None:
         y = y * torch.nn.functional.silu(z.to(torch.float32))  # [T, D_inner]
     return y.to(x.dtype)
-
-
-def _initial_states(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
-    """[B, D_inner, N]: each request's stored state, or zeros where it has none (never reads garbage in)."""
-    stored = state[slots.long()]  # [B, D_inner, N]
-    return torch.where(has_state[:, None, None], stored, torch.zeros((), dtype=stored.dtype, device=stored.device))
 
 
 def selective_scan_reference(
@@ -180,7 +176,7 @@ def selective_scan(
     sorted_lengths = [lengths[r] for r in order]
     order_t = torch.tensor(order, dtype=torch.long, device=device)  # [B]
     starts = torch.tensor([offsets[r] for r in order], dtype=torch.long, device=device)  # [B]
-    h = _initial_states(state, slots[order_t], has_state[order_t])  # [B, D_inner, N] in length order
+    h = initial_states(state, slots[order_t], has_state[order_t])  # [B, D_inner, N] in length order
     for j in range(sorted_lengths[0] if sorted_lengths else 0):
         active = sum(1 for n in sorted_lengths if n > j)
         rows = starts[:active] + j  # [A] token j of each request still running

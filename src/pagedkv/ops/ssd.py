@@ -37,6 +37,8 @@ import math
 
 import torch
 
+from pagedkv.ops.state_slots import ChunkLayout, initial_states
+
 __all__ = ["segment_sum", "ssd_reference", "ssd_scan"]
 
 DEFAULT_TIME_STEP_LIMIT = (0.0, math.inf)
@@ -116,14 +118,6 @@ def _prepare(
     return x32, dt32, a32, b32, c32
 
 
-def _initial_states(state: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
-    """[B, H, P, N]: each request's stored state, or zeros where it has none (never reads garbage in)."""
-    stored = state[slots.long()]  # [B, H, P, N]
-    return torch.where(
-        has_state[:, None, None, None], stored, torch.zeros((), dtype=stored.dtype, device=stored.device)
-    )
-
-
 def ssd_reference(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -194,26 +188,9 @@ def _chunked(
     """
     device, cs = x.device, chunk_size
     h, p = x.shape[1], x.shape[2]
-    n_chunks = [-(-n // cs) for n in lengths]
-    first_chunk = [0]
-    for n in n_chunks:
-        first_chunk.append(first_chunk[-1] + n)
-    total_rows, total_chunks = sum(lengths), first_chunk[-1]
-
-    # Where each token goes: rows (packed input) -> dest (padded chunk layout)
-    lengths_t = torch.tensor(lengths, device=device)  # [Q]
-    request = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths_t, output_size=total_rows)
-    token_start = torch.cumsum(lengths_t, 0) - lengths_t  # [Q] first token of q among the R
-    position = torch.arange(total_rows, device=device) - token_start[request]  # [R] position within its request
-    rows = torch.tensor(starts, device=device)[request] + position  # [R]
-    first_chunk_t = torch.tensor(first_chunk[:-1], device=device)  # [Q]
-    dest = first_chunk_t[request] * cs + position  # [R]
-
-    def padded(v: torch.Tensor) -> torch.Tensor:
-        """[R, H, ...] rows -> [K, H, C, ...] zero-padded chunks."""
-        flat = v.new_zeros((total_chunks * cs, *v.shape[1:]))  # [K * C, H, ...]
-        flat[dest] = v[rows]
-        return flat.reshape(total_chunks, cs, *v.shape[1:]).transpose(1, 2).contiguous()
+    layout = ChunkLayout(lengths, starts, cs, device)
+    padded, n_chunks, first_chunk_t = layout.padded, layout.n_chunks, layout.first_chunk
+    total_chunks, rows = layout.total_chunks, layout.rows
 
     xdt = padded(x * dt[..., None])  # [K, H, C, P] discretised x
     a_dt = padded(dt * a)  # [K, H, C] log decay per token
@@ -237,7 +214,7 @@ def _chunked(
         s_a = s[:active]  # [A, H, P, N] state at the chunk start
         out[idx] = y_diag[idx] + (cc[idx] @ s_a.transpose(-1, -2)) * decay_out[idx]
         s[:active] = s_a * chunk_decay[idx] + chunk_states[idx]
-    out_rows = out.transpose(1, 2).reshape(total_chunks * cs, h, p)[dest]  # [R, H, P]
+    out_rows = layout.unpadded(out)  # [R, H, P]
     return rows, out_rows, s
 
 
@@ -273,7 +250,7 @@ def ssd_scan(
     offsets = input_row_offsets.tolist()
     lengths = [offsets[b + 1] - offsets[b] for b in range(len(offsets) - 1)]
     device = x.device
-    initial = _initial_states(state, slots, has_state)  # [B, H, P, N]
+    initial = initial_states(state, slots, has_state)  # [B, H, P, N]
     final = initial.clone()  # [B, H, P, N]
     out = torch.zeros(x.shape, dtype=torch.float32, device=device)  # [T, H, P]
 
