@@ -22,6 +22,8 @@ _EXPORTS = {
     "KVConnectorType": "pagedkv.params",
     "KVConnectorConfig": "pagedkv.connector_config",
     "MultiKVCacheParams": "pagedkv.multi_params",
+    "StateCacheParams": "pagedkv.state_params",
+    "MambaSpec": "pagedkv.specs",
     "TensorSpec": "pagedkv.symbols",
     "KVCacheInputSymbols": "pagedkv.symbols",
     "RaggedKVCacheInputSymbols": "pagedkv.symbols",
@@ -51,6 +53,8 @@ _EXPORTS = {
     "PaddedKVCacheInputs": "pagedkv.runtime.inputs",
     "KVCacheInputsSequence": "pagedkv.runtime.inputs",
     "MultiKVCacheInputs": "pagedkv.runtime.inputs",
+    "StateCacheInputs": "pagedkv.runtime.inputs",
+    "StateCacheBuffer": "pagedkv.runtime.state_buffers",
     "KVCacheManager": "pagedkv.manager.base",
     "ContinuousBatchingKVCacheManager": "pagedkv.manager.continuous",
     "PagedKVCacheManager": "pagedkv.manager.paged",
@@ -106,7 +110,11 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         MultiKVCacheInputs,
         PaddedKVCacheInputs,
         RaggedKVCacheInputs,
+        StateCacheInputs,
     )
+    from pagedkv.runtime.state_buffers import StateCacheBuffer
+    from pagedkv.specs import MambaSpec
+    from pagedkv.state_params import StateCacheParams
     from pagedkv.symbols import (
         KVCacheInputSymbols,
         MultiKVCacheInputSymbols,

@@ -29,7 +29,7 @@ __all__ = [
     "KVQuantMode", "get_kv_quant_mode", "kv_cache_uses_per_token_head_scales", "KVCacheSpec", "AttentionSpec",
     "FullAttentionSpec", "TQFullAttentionSpec", "MLAAttentionSpec", "HiddenStateCacheSpec", "SinkFullAttentionSpec",
     "SlidingWindowSpec", "SlidingWindowMLASpec", "ChunkedLocalAttentionSpec", "CrossAttentionSpec",
-    "UniformTypeKVCacheSpecs", "SchedulerLimits", "attention_spec",
+    "UniformTypeKVCacheSpecs", "SchedulerLimits", "attention_spec", "MambaSpec", "MAMBA_TYPES", "MAMBA_CACHE_MODES",
 ]  # fmt: skip
 
 S = TypeVar("S", bound="KVCacheSpec")
@@ -375,9 +375,126 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         return cls(block_size=block, kv_cache_specs=dict(kv_cache_specs))
 
 
+MAMBA_TYPES = ("mamba1", "mamba2", "short_conv", "linear", "gdn_attn")
+"""`MambaSpec.mamba_type` values: vLLM's `MambaAttentionBackendEnum` names, lower case."""
+
+MAMBA_CACHE_MODES = ("none", "align")
+"""`MambaSpec.mamba_cache_mode` values: "none" (one live state per request, updated in place) or "align"
+(vLLM's prefix-caching mode: states at block boundaries)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MambaSpec(KVCacheSpec):
+    """A recurrent layer's state (Mamba, Mamba2, gated delta net, short conv): a fixed size per request.
+
+    `shapes[i]` / `dtypes[i]` describe state tensor i of ONE layer (e.g. conv ``(C, K - 1)`` and
+    SSM ``(H, P, N)``), for a replica's whole TP group, as pagedkv's attention specs count every KV
+    head; a TP shard holds ``shapes[i][0] // tp`` rows of each (`shard`) unless `tp_replicated`
+    (every shard holds the whole state). A state slot is one page of the layer's group: the page
+    holds one state, whatever `block_size` says, so `page_size_bytes` does not depend on it
+    (`page_size_padded` pads it to the pool's unified page). `num_speculative_blocks` draft slots come
+    on top of the live one. `tokens_per_state` is -1 (a state covers every token so far).
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[DType, ...]
+    page_size_padded: int | None = None
+    mamba_type: str = "mamba2"
+    mamba_cache_mode: str = "none"
+    num_speculative_blocks: int = 0
+    num_prefill_checkpoint_blocks: int = 0
+    prefill_checkpoint_alignment: int | None = None
+    num_heads: int = 1  # type: ignore[assignment]
+    tokens_per_state: int = -1  # type: ignore[assignment]
+    tp_replicated: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        shapes = tuple(tuple(shape) for shape in self.shapes)
+        if not shapes or any(not s or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in s)
+                             for s in shapes):  # fmt: skip
+            raise ValueError(f"shapes={self.shapes!r} must be a non-empty tuple of shapes of positive ints")
+        dtypes = tuple(d if isinstance(d, DType) else _to_dtype(d) for d in self.dtypes)
+        if len(dtypes) != len(shapes):
+            raise ValueError(f"dtypes has {len(dtypes)} entries but shapes has {len(shapes)}: one dtype per state")
+        object.__setattr__(self, "shapes", shapes)
+        object.__setattr__(self, "dtypes", dtypes)
+        if self.mamba_type not in MAMBA_TYPES:
+            raise ValueError(f"mamba_type={self.mamba_type!r} must be one of {MAMBA_TYPES}")
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ValueError(f"mamba_cache_mode={self.mamba_cache_mode!r} must be one of {MAMBA_CACHE_MODES}")
+        for name in ("num_speculative_blocks", "num_prefill_checkpoint_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an int >= 0")
+        if not isinstance(self.num_heads, int) or self.num_heads < 1:
+            raise ValueError(f"num_heads={self.num_heads!r} must be an int >= 1")
+        if self.tokens_per_state != -1:
+            raise ValueError(f"tokens_per_state={self.tokens_per_state!r} must be -1 for a recurrent state")
+        if self.page_size_padded is not None and self.page_size_padded < self.state_content_size_bytes:
+            raise ValueError(
+                f"page_size_padded={self.page_size_padded} < the state's {self.state_content_size_bytes} bytes"
+            )
+
+    @property
+    def kind(self) -> str:
+        """ "state": served by the state-slot manager (one slot per running request)."""
+        return "state"
+
+    @property
+    def state_content_size_bytes(self) -> int:
+        """Bytes of one layer's state: the sum over its tensors (no padding)."""
+        return sum(math.prod(s) * d.size_in_bytes for s, d in zip(self.shapes, self.dtypes, strict=True))
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return self.state_content_size_bytes
+
+    @property
+    def page_size_bytes(self) -> int:
+        """One state slot of one layer: the state, or `page_size_padded` when set."""
+        return self.page_size_padded if self.page_size_padded is not None else self.state_content_size_bytes
+
+    @property
+    def slots_per_request(self) -> int:
+        """State slots a running request holds: the live one plus `num_speculative_blocks` draft slots."""
+        return 1 + self.num_speculative_blocks
+
+    def max_memory_usage_bytes(self, vllm_config: SchedulerLimits) -> int:
+        """One request's slots: ``page_size_bytes * (1 + num_speculative_blocks)`` ("none" mode), two more
+        live slots plus the prefill checkpoints in "align" mode (vLLM's arithmetic)."""
+        extra = 1 + self.num_prefill_checkpoint_blocks if self.mamba_cache_mode == "align" else 0
+        return self.page_size_bytes * (self.slots_per_request + extra)
+
+    def max_admission_blocks_per_request(self, limits: SchedulerLimits) -> int:
+        return self.max_memory_usage_bytes(limits) // self.page_size_bytes
+
+    def copy_with_new_block_size(self: S, block_size: int) -> S:
+        return dataclasses.replace(self, block_size=block_size)
+
+    def shard(self, tp: int) -> tuple[tuple[int, ...], ...]:
+        """The state shapes one of `tp` shards holds: dim 0 split (heads or channels) unless `tp_replicated`.
+        ValueError when dim 0 of a shape does not split evenly."""
+        if self.tp_replicated or tp == 1:
+            return self.shapes
+        bad = [s for s in self.shapes if s[0] % tp]
+        if bad:
+            raise ValueError(f"state shapes {bad} do not split over tensor_parallel_degree={tp} (dim 0 % {tp} != 0)")
+        return tuple((s[0] // tp, *s[1:]) for s in self.shapes)
+
+    @classmethod
+    def merge(cls: type[S], specs: list[S]) -> S:
+        """One spec for a group of state layers: all equal."""
+        if not specs or any(s != specs[0] for s in specs[1:]):
+            raise ValueError(f"all state layers of a group must have the same spec, got {specs}")
+        return specs[0]
+
+
 def _slot_key(spec: KVCacheSpec) -> tuple[Any, ...]:
     """What decides which token slots a layer keeps (a recorded window does not: full keeps all)."""
-    kind = spec.kind if isinstance(spec, AttentionSpec) else type(spec).__name__
+    kind = spec.kind if isinstance(spec, AttentionSpec | MambaSpec) else type(spec).__name__
+    if isinstance(spec, MambaSpec):  # one group type per state layout: a page of the group holds one state
+        return (kind, spec.block_size, spec.shapes, spec.dtypes, spec.num_speculative_blocks, spec.tp_replicated)
     if kind in ("full", "cross"):
         return (kind, spec.block_size)
     window = getattr(spec, "sliding_window", None)

@@ -76,6 +76,8 @@ def check_hybrid_tables(
             pages = table.pages[: table.num_pages].tolist()
             holders.update(p for p in pages if p != null)
             _require(not (st.dummy and pages), f"dummy request {rid!r} holds pages")
+            _require(not gm.state_slots or len(pages) in (0, gm.state_slots),
+                     f"{rid!r} state group {g} holds {len(pages)} slots, not {gm.state_slots}")  # fmt: skip
             for i, page in enumerate(pages):
                 if page == null:
                     _require(gm.lazy and gm.kept_pages() <= i < st.dropped[g], f"{rid!r} group {g} entry {i} is null")

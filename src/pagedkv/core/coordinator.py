@@ -74,6 +74,8 @@ class KVCacheCoordinator:
         evict_leaves_first: bool = False,
     ) -> None:
         check_manager_args(page_size, enable_prefix_caching, num_speculative_tokens, hash_seed, evict_leaves_first)
+        # a state slot is updated in place: a cached prefix has no state to resume from, so nothing hits
+        enable_prefix_caching = enable_prefix_caching and not any(g.state_slots for g in groups)
         self.pool = BlockPool(num_blocks, enable_prefix_caching, len(groups), eviction_policy, protected_fraction,
                               evict_leaves_first)  # fmt: skip
         self.page_size = page_size
@@ -86,7 +88,7 @@ class KVCacheCoordinator:
         self._cache_tokens = 0
         self._evictions_at_reset = 0
         self.groups = list(groups)
-        self._decoder = [g for g in self.groups if not g.reads_encoder]
+        self._decoder = [g for g in self.groups if not g.reads_encoder and not g.state_slots]  # token pages
         self._windowed = [g for g in self.groups if g.lazy]
         self._decoder_ids = [g.group for g in self._decoder]
         self._cacheable_ids = [g.group for g in self.groups if g.cacheable]
@@ -156,7 +158,7 @@ class KVCacheCoordinator:
                 f"request {ctx.request_id!r} has processed_length={tokens.processed_length} but the cache holds "
                 f"{st.ready} of its tokens; call ctx.reset() before re-admitting it"
             )
-        if len(tokens) + spec > self.pool.num_blocks * ps:
+        if self._decoder and len(tokens) + spec > self.pool.num_blocks * ps:
             raise InsufficientBlocksError(
                 f"request {ctx.request_id!r} needs {len(tokens) + spec} token slots but the whole cache holds "
                 f"{self.pool.num_blocks * ps} ({self.pool.num_blocks} pages of {ps}); restart with a lower max "
@@ -177,6 +179,10 @@ class KVCacheCoordinator:
         drops, new = [], []
         for g, gm in enumerate(self.groups):
             have = st.tables[g].num_pages + len(hit_pages[g])
+            if gm.state_slots:  # the live state and draft slots, from the first alloc to the release
+                drops.append((0, 0))
+                new.append(gm.state_slots - have)
+                continue
             if gm.reads_encoder:
                 drops.append((0, 0))
                 new.append(required_pages(ctx.encoder_length, ps) if have == 0 else 0)
@@ -397,7 +403,8 @@ class KVCacheCoordinator:
                 else:
                     cached, end = tokens.processed_length, tokens.current_position
                     slots = (end if gm.lazy else len(tokens)) + spec
-                rows.append((ctx.request_id, st.tables[g], 0 if st.dummy else required_pages(slots, ps)))
+                pages = gm.state_slots or required_pages(slots, ps)  # a state group: its slots, any length
+                rows.append((ctx.request_id, st.tables[g], 0 if st.dummy else pages))
                 lengths.append(cached)
                 ends.append(end)
             tables = assemble_tables(rows, lengths, ends, ps, self.pool.null_block, max_cache_length)

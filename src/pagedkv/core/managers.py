@@ -20,10 +20,11 @@ import math
 from collections.abc import Sequence
 
 from pagedkv.specs import (
-    AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SinkFullAttentionSpec,
     SlidingWindowSpec,
@@ -31,7 +32,8 @@ from pagedkv.specs import (
 
 __all__ = [
     "GroupManager", "FullAttentionManager", "SlidingWindowManager", "ChunkedLocalAttentionManager",
-    "SinkAttentionManager", "CrossAttentionManager", "MLAAttentionManager", "SPEC_MANAGERS", "manager_for",
+    "SinkAttentionManager", "CrossAttentionManager", "MLAAttentionManager", "MambaManager", "SPEC_MANAGERS",
+    "manager_for",
     "min_request_pages",
 ]  # fmt: skip
 
@@ -42,13 +44,14 @@ class GroupManager:
     lazy = False  # window types allocate only up to the active window, not the whole prompt
     cacheable = True  # takes part in prefix caching
     reads_encoder = False  # pages hold the encoder's tokens, written once (cross-attention)
+    state_slots = 0  # > 0: pages hold recurrent states, this many per request whatever its length (`MambaManager`)
 
     def __init__(self, group: int, page_size: int) -> None:
         self.group = group
         self.page_size = page_size
 
     @classmethod
-    def from_spec(cls, group: int, spec: AttentionSpec) -> GroupManager:
+    def from_spec(cls, group: int, spec: KVCacheSpec) -> GroupManager:
         """The manager of group `group`, whose layers all have `spec` (`spec.block_size` is the page size)."""
         return cls(group, spec.block_size)
 
@@ -107,7 +110,7 @@ class SlidingWindowManager(GroupManager):
         self.window = window
 
     @classmethod
-    def from_spec(cls, group: int, spec: AttentionSpec) -> GroupManager:
+    def from_spec(cls, group: int, spec: KVCacheSpec) -> GroupManager:
         assert isinstance(spec, SlidingWindowSpec)
         return cls(group, spec.block_size, spec.sliding_window)
 
@@ -134,7 +137,7 @@ class ChunkedLocalAttentionManager(GroupManager):
         self.chunk = chunk
 
     @classmethod
-    def from_spec(cls, group: int, spec: AttentionSpec) -> GroupManager:
+    def from_spec(cls, group: int, spec: KVCacheSpec) -> GroupManager:
         assert isinstance(spec, ChunkedLocalAttentionSpec)
         return cls(group, spec.block_size, spec.attention_chunk_size)
 
@@ -160,7 +163,7 @@ class SinkAttentionManager(SlidingWindowManager):
         self.sinks = sinks
 
     @classmethod
-    def from_spec(cls, group: int, spec: AttentionSpec) -> GroupManager:
+    def from_spec(cls, group: int, spec: KVCacheSpec) -> GroupManager:
         assert isinstance(spec, SinkFullAttentionSpec)
         if spec.sliding_window is None:  # sinks without a window: every token is kept anyway
             return FullAttentionManager(group, spec.block_size)
@@ -193,19 +196,41 @@ class CrossAttentionManager(GroupManager):
         return -(-encoder_length // self.page_size)
 
 
-SPEC_MANAGERS: dict[type[AttentionSpec], type[GroupManager]] = {
+class MambaManager(GroupManager):
+    """Recurrent state (Mamba, gated delta net, short conv): a request holds `state_slots` pages of the
+    group (its live state and its draft slots) from its first `alloc` to its release, whatever its
+    length. A page is one state, updated in place each step, so it is never prefix-cached and a
+    request's table never grows or drops."""
+
+    cacheable = False
+
+    def __init__(self, group: int, page_size: int, slots: int = 1) -> None:
+        super().__init__(group, page_size)
+        self.state_slots = slots
+
+    @classmethod
+    def from_spec(cls, group: int, spec: KVCacheSpec) -> GroupManager:
+        assert isinstance(spec, MambaSpec)
+        return cls(group, spec.block_size, spec.slots_per_request)
+
+    def step_pages(self, start: int, end: int, length: int, spec: int = 0, encoder_length: int = 0) -> int:
+        return self.state_slots
+
+
+SPEC_MANAGERS: dict[type[KVCacheSpec], type[GroupManager]] = {
     FullAttentionSpec: FullAttentionManager,
     MLAAttentionSpec: MLAAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
     ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
     SinkFullAttentionSpec: SinkAttentionManager,
     CrossAttentionSpec: CrossAttentionManager,
+    MambaSpec: MambaManager,
 }
 """The page-policy manager of each spec type (a spec subclass takes its nearest listed base's, as
 `SlidingWindowMLASpec` takes `SlidingWindowSpec`'s), as vLLM's `spec_manager_map`."""
 
 
-def manager_for(group: int, spec: AttentionSpec) -> GroupManager:
+def manager_for(group: int, spec: KVCacheSpec) -> GroupManager:
     """The manager of group `group`, whose layers have `spec`; TypeError for a spec no manager serves."""
     for cls in type(spec).__mro__:
         manager = SPEC_MANAGERS.get(cls)
@@ -244,7 +269,8 @@ def min_request_pages(
     # window counts at q >= warmup depend on q mod period, full counts grow with q: [0, warmup) and
     # the last period (or all of [warmup, length)) hold the peak
     positions = (*range(min(length, warmup)), *range(max(warmup, length - period), length))
-    best = -(-(length + spec) // groups[0].page_size) if groups else 0  # the coordinator's cap: every slot fits
+    tokens = [g for g in groups if not g.state_slots and not g.reads_encoder]
+    best = -(-(length + spec) // groups[0].page_size) if tokens else 0  # the coordinator's cap: every slot fits
     for q in positions:
         n = max(prompt_length, q + 1)
         best = max(best, sum(g.step_pages(q, q + 1, n, spec, encoder_length) for g in groups))

@@ -1,6 +1,7 @@
 """vLLM's `vllm.v1.kv_cache_interface` for pagedkv: per-layer specs, groups, and the shared pool layout.
 
-Specs and configs are torch-free frozen dataclasses (`reshape_kv_cache` imports
+`MambaSpec` describes a recurrent layer's state (one slot per request, a page
+of its group). Specs and configs are torch-free frozen dataclasses (`reshape_kv_cache` imports
 torch when called). `params_from_kv_cache_config` / `kv_cache_config_from_params`
 convert between a `KVCacheConfig` and the `MultiKVCacheParams` tree the
 managers take: one child per group.
@@ -17,6 +18,7 @@ from pagedkv.interface.config import (
     group_layer_specs,
     num_states_for,
     reshape_kv_cache,
+    unify_state_block_size,
 )
 from pagedkv.specs import (
     AttentionSpec,
@@ -26,6 +28,7 @@ from pagedkv.specs import (
     HiddenStateCacheSpec,
     KVCacheSpec,
     KVQuantMode,
+    MambaSpec,
     MLAAttentionSpec,
     SchedulerLimits,
     SinkFullAttentionSpec,
@@ -40,8 +43,8 @@ from pagedkv.specs import (
 __all__ = [
     "AttentionSpec", "ChunkedLocalAttentionSpec", "CrossAttentionSpec", "FullAttentionSpec", "HiddenStateCacheSpec",
     "KVCacheConfig", "KVCacheGroupSpec", "KVCacheLayout", "KVCacheSpec", "KVCacheTensor", "KVQuantMode",
-    "MLAAttentionSpec", "SchedulerLimits", "SinkFullAttentionSpec", "SlidingWindowMLASpec", "SlidingWindowSpec",
+    "MLAAttentionSpec", "MambaSpec", "SchedulerLimits", "SinkFullAttentionSpec", "SlidingWindowMLASpec", "SlidingWindowSpec",
     "TQFullAttentionSpec", "UniformTypeKVCacheSpecs", "compute_layer_kv_cache_shape_bytes", "get_kv_cache_config",
     "get_kv_quant_mode", "group_layer_specs", "kv_cache_config_from_params", "kv_cache_uses_per_token_head_scales", "num_states_for",
-    "params_from_kv_cache_config", "reshape_kv_cache", "spec_from_params",
+    "params_from_kv_cache_config", "reshape_kv_cache", "spec_from_params", "unify_state_block_size",
 ]  # fmt: skip

@@ -3,7 +3,8 @@
 A group of the config is a child of the params tree named ``group{i}``, its
 `num_layers` the group's layer count, its attention fields (`sliding_window`,
 `attention_chunk_size`, `sink_tokens`, `is_cross_attention`, `is_mla`) taken
-from the group's spec. Children that are not all full attention make the
+from the group's spec. A `MambaSpec` group becomes a
+`StateCacheParams` child. Children that are not all full attention make the
 tree *hybrid*: each child gets its own page table over one shared pool.
 """
 
@@ -22,19 +23,25 @@ from pagedkv.specs import (
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
 )
+from pagedkv.state_params import StateCacheParams
 
 __all__ = ["spec_from_params", "params_from_kv_cache_config", "kv_cache_config_from_params"]
 
 
-def spec_from_params(params: KVCacheParams) -> AttentionSpec:
+def spec_from_params(params: KVCacheParams) -> KVCacheSpec:
     """The per-layer spec of one cache (`KVCacheParams.kv_cache_spec`; page bytes are per layer and per
-    replica's whole TP group)."""
+    replica's whole TP group): an attention spec, or the `MambaSpec` of a `StateCacheParams` group."""
     return params.kv_cache_spec
 
 
 def _leaf_from_spec(spec: KVCacheSpec, num_layers: int, devices: Sequence[DeviceRef], **kwargs: Any) -> KVCacheParams:
     kwargs = dict(kwargs)
+    if isinstance(spec, MambaSpec):
+        kwargs.pop("num_q_heads", None)
+        kwargs.pop("kvcache_quant_config", None)
+        return StateCacheParams.from_spec(spec, num_layers, devices, **kwargs)
     if not isinstance(spec, AttentionSpec):
         raise ValueError(f"pagedkv pages attention layers only, got {type(spec).__name__}")
     is_mla = spec.kv_dim == 1

@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.specs import AttentionSpec, KVCacheSpec, UniformTypeKVCacheSpecs, _slot_key
+from pagedkv.specs import AttentionSpec, KVCacheSpec, MambaSpec, UniformTypeKVCacheSpecs, _slot_key
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "KVCacheLayout", "KVCacheTensor", "KVCacheGroupSpec", "KVCacheConfig", "get_kv_cache_config",
     "num_states_for", "compute_layer_kv_cache_shape_bytes", "reshape_kv_cache", "group_layer_specs",
+    "unify_state_block_size",
 ]  # fmt: skip
 
 
@@ -91,12 +92,16 @@ class KVCacheConfig:
 
 
 def num_states_for(spec: KVCacheSpec, block_size: int | None = None) -> int:
-    """Token states one page holds: one per token for attention."""
+    """States one page holds: one per token for attention, one for a recurrent state (`MambaSpec`)."""
+    if isinstance(spec, MambaSpec):
+        return 1
     return block_size or spec.block_size
 
 
 def _state_bytes(spec: KVCacheSpec) -> tuple[int, int]:
     """(heads, bytes of one state of one head), padding spread over the heads."""
+    if isinstance(spec, MambaSpec):
+        return 1, spec.page_size_bytes
     if not isinstance(spec, AttentionSpec):
         return 1, spec.page_size_bytes // spec.block_size
     heads = spec.num_kv_heads
@@ -176,14 +181,44 @@ def _merge(specs: list[KVCacheSpec]) -> KVCacheSpec:
         return uniform
 
 
+def unify_state_block_size(specs_by_layer: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    """The specs with one page size for attention and state layers, as vLLM's hybrid allocator makes it.
+
+    A state slot (`MambaSpec`) is one page of its group, so one pool serves both only when an
+    attention page holds at least one layer's state. With A the attention `block_size` and
+    ``p`` the largest attention layer's bytes per token, the attention block becomes
+    ``A * ceil(state_bytes / (A * p))`` tokens (unchanged when the state already fits), and every
+    state spec takes that `block_size` too. Without state layers the specs are returned as they are.
+    Raises ValueError when the attention layers' block sizes differ.
+    """
+    states = {n: s for n, s in specs_by_layer.items() if isinstance(s, MambaSpec)}
+    if not states:
+        return dict(specs_by_layer)
+    others = {n: s for n, s in specs_by_layer.items() if n not in states}
+    sizes = {s.block_size for s in others.values()}
+    if len(sizes) > 1:
+        raise ValueError(f"all attention layers must have one block_size, got {sorted(sizes)}")
+    state_bytes = max(s.page_size_bytes for s in states.values())
+    if not others:
+        block = next(iter(states.values())).block_size
+    else:
+        base = sizes.pop()
+        per_token = max(-(-s.page_size_bytes // s.block_size) for s in others.values())
+        block = base * max(1, -(-state_bytes // (base * per_token)))
+    return {n: (s if s.block_size == block else s.copy_with_new_block_size(block)) for n, s in specs_by_layer.items()}
+
+
 def get_kv_cache_config(specs_by_layer: dict[str, KVCacheSpec], available_memory_bytes: int) -> KVCacheConfig:
     """Group layers, unify page sizes, and size one shared pool for `available_memory_bytes`.
 
-    Every spec must have the same `block_size` (tokens per page). Smaller
-    layer pages are padded to the largest. Raises ValueError when nothing fits.
+    Every attention spec must have the same `block_size` (tokens per page). With state layers
+    (`MambaSpec`), the attention block grows until a page holds a layer's state
+    (`unify_state_block_size`, vLLM's rule). Smaller layer pages (attention or state) are
+    padded to the largest. Raises ValueError when nothing fits.
     """
     if not specs_by_layer:
         raise ValueError("specs_by_layer is empty")
+    specs_by_layer = unify_state_block_size(specs_by_layer)
     block_sizes = {s.block_size for s in specs_by_layer.values()}
     if len(block_sizes) != 1:
         raise ValueError(f"all layers must have one block_size, got {sorted(block_sizes)}")
@@ -205,6 +240,6 @@ def get_kv_cache_config(specs_by_layer: dict[str, KVCacheSpec], available_memory
 def _pad(spec: KVCacheSpec, page: int) -> KVCacheSpec:
     if spec.page_size_bytes == page:
         return spec
-    if not isinstance(spec, AttentionSpec):
+    if not isinstance(spec, AttentionSpec | MambaSpec):
         raise ValueError(f"cannot pad {type(spec).__name__} pages to {page} bytes")
     return dataclasses.replace(spec, page_size_padded=page)

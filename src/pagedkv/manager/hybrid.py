@@ -20,8 +20,10 @@ from pagedkv.core.tables import BatchTables
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params import KVCacheParams
 from pagedkv.runtime.arena import allocate_arena_buffers
-from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs
+from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs, StateCacheInputs
+from pagedkv.runtime.state_buffers import StateCacheBuffer
 from pagedkv.runtime.transfer import tables_to_device
+from pagedkv.state_params import StateCacheParams
 
 ReplicaBookkeeping = BlockManager | KVCacheCoordinator
 """One data-parallel replica's bookkeeping: a `BlockManager` (every cache full attention) or a
@@ -87,6 +89,7 @@ def allocate_buffers(params: KVCacheParamInterface, total_num_pages: int) -> lis
     """Page buffers per replica: aliased arenas for a hybrid tree, the params' own allocation otherwise."""
     if isinstance(params, MultiKVCacheParams) and is_hybrid(params):
         return allocate_arena_buffers(group_names(params), params.leaves(), total_num_pages)
+
     return params.allocate_buffers(total_num_pages)
 
 
@@ -98,7 +101,7 @@ def hybrid_inputs(
     Decoder groups of a device share one `cache_lengths` tensor; each group has its own lookup table.
     """
     names, leaves = group_names(params), params.leaves()
-    records: dict[str, list[RaggedKVCacheInputs]] = {name: [] for name in names}
+    records: dict[str, list[RaggedKVCacheInputs | StateCacheInputs]] = {name: [] for name in names}
     for r, group_tables in enumerate(per_replica):
         for s, device in enumerate(leaves[0].devices_per_replica[r]):
             dev = device.to_torch()
@@ -109,6 +112,12 @@ def hybrid_inputs(
                     shared = lengths if shared is None else shared
                     lengths = shared
                 buf = _leaf_buffer(buffers[r], name, isinstance(params, KVCacheParams))
+                if isinstance(leaf, StateCacheParams):
+                    assert isinstance(buf, StateCacheBuffer)
+                    slots = lut[:, : leaf.spec.slots_per_request]  # [B, 1 + drafts]
+                    state = StateCacheInputs(buf.values[s], lengths, slots, lengths > 0, buf.states[s])
+                    records[name].append(state)  # type: ignore[arg-type]
+                    continue
                 scales = buf.scales[s] if buf.scales else None
                 record = RaggedKVCacheInputs(buf.values[s], lengths, lut, max_lengths, scales)
                 records[name].append(record.with_policy(leaf.nonfinite_kv))

@@ -8,7 +8,10 @@ follow::
 
     arena row p:  [ values of group owning p | scales | unused tail (smaller groups) ]
 
-so one page id costs the largest group's page, not the sum over groups.
+so one page id costs the largest group's page, not the sum over groups. A
+state group (`StateCacheParams`) views its rows as each layer's state tensors
+(`pagedkv.runtime.state_buffers`). Rows are padded to 16 bytes, so every view
+of a row starts aligned for its dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import torch
 
 from pagedkv.params import KVCacheParams
 from pagedkv.runtime.buffers import KVCacheBuffer, KVCacheMemory, MultiKVCacheBuffer
+from pagedkv.runtime.state_buffers import make_state_buffer
+from pagedkv.state_params import ALIGN, StateCacheParams
 
 __all__ = ["HybridKVCacheBuffer", "allocate_arena_buffers", "leaf_page_bytes"]
 
@@ -53,12 +58,15 @@ def allocate_arena_buffers(
 ) -> list[HybridKVCacheBuffer]:
     """Zeroed arenas and per-leaf views, one `HybridKVCacheBuffer` (children named `names`) per replica."""
     first = leaves[0]
-    row = max(leaf_page_bytes(leaf) for leaf in leaves)
+    row = -(-max(leaf_page_bytes(leaf) for leaf in leaves) // ALIGN) * ALIGN
     out = []
     for r, devices in enumerate(first.devices_per_replica):
         arenas = [torch.zeros((total_num_pages, row), dtype=torch.uint8, device=d.to_torch()) for d in devices]
         children: dict[str, KVCacheBuffer | MultiKVCacheBuffer] = {}
         for name, leaf in zip(names, leaves, strict=True):
+            if isinstance(leaf, StateCacheParams):
+                children[name] = make_state_buffer(leaf, arenas)
+                continue
             values = [_view(a, 0, leaf.shape_per_block, leaf.dtype.to_torch()) for a in arenas]
             scales = None
             if leaf.quantized_kv_cache:

@@ -15,7 +15,7 @@ at slot ``p % page_size``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,7 @@ __all__ = [
     "PaddedKVCacheInputs",
     "KVCacheInputsSequence",
     "MultiKVCacheInputs",
+    "StateCacheInputs",
     "max_lengths_table",
 ]
 
@@ -52,6 +53,31 @@ class RaggedKVCacheInputs(RecordMixin, KVCacheInputs):
         """This record, storing under `nonfinite_kv` (see above); returns self."""
         self.nonfinite_kv = nonfinite_kv
         return self
+
+
+@dataclass(eq=False)
+class StateCacheInputs(RecordMixin, KVCacheInputs):
+    """One device's inputs of a state group (recurrent layers) for a ragged batch.
+
+    blocks             uint8 [total_num_pages + 1, num_layers, layer_bytes]  the group's pages
+    cache_lengths      int32 [batch]        tokens already processed per request (its state covers them)
+    state_slots        int32 [batch, 1 + num_speculative_blocks]  column 0: the live state slot (a page
+                       id of the group), then the draft slots
+    has_initial_state  bool [batch]         True: continue from the slot; False: start from zeros (the
+                       slot's bytes are stale and must not be read)
+
+    `layer_states[layer]` (not a field: views, no input tensor of their own) are the layer's state
+    tensors ``[total_num_pages + 1, *shape]`` over `blocks` (`pagedkv.runtime.state_buffers`).
+    """
+
+    blocks: torch.Tensor
+    cache_lengths: torch.Tensor
+    state_slots: torch.Tensor
+    has_initial_state: torch.Tensor
+    layer_states: list[tuple[torch.Tensor, ...]] = field(default_factory=list, repr=False)
+
+    def flatten(self) -> list[torch.Tensor]:
+        return [self.blocks, self.cache_lengths, self.state_slots, self.has_initial_state]
 
 
 @dataclass(eq=False)

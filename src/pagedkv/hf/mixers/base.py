@@ -42,6 +42,11 @@ class StateBatch:
     slots: torch.Tensor
     has_state: torch.Tensor
 
+    @property
+    def decode(self) -> bool:
+        """True when every request has exactly one row (a decode step): the ops take their decode paths."""
+        return all(n == 1 for n in self.lengths)
+
     @classmethod
     def build(
         cls, lengths: list[int], slots: torch.Tensor, has_state: torch.Tensor, device: torch.device | None = None
@@ -50,9 +55,7 @@ class StateBatch:
         device = device or slots.device
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)  # [B + 1]
         offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
-        return cls(
-            offsets.to(device), list(lengths), slots.to(device=device, dtype=torch.int64), has_state.to(device)
-        )
+        return cls(offsets.to(device), list(lengths), slots.to(device=device, dtype=torch.int64), has_state.to(device))
 
 
 StateSpecFn = Callable[[torch.nn.Module, torch.dtype], tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]]
