@@ -227,3 +227,29 @@ def test_empty_requests_and_empty_batch() -> None:
     empty = (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool), _offsets([]))
     assert causal_conv1d(torch.zeros(0, 4), s, weight, bias, *empty).shape == (0, 4)
     assert torch.equal(s, state)
+
+
+@pytest.mark.parametrize("kernel_size", [1, 2, 4])
+@pytest.mark.parametrize("width_extra", [0, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_path_matches_reference(kernel_size: int, width_extra: int, dtype: torch.dtype) -> None:
+    """``decode=True`` (one token per request, as a decode step promises) equals the reference bit for bit
+    in the state and to rounding in the output; other slots are untouched."""
+    gen = torch.Generator().manual_seed(kernel_size * 10 + width_extra)
+    batch, channels = 5, 6
+    width = max(kernel_size - 1, 0) + width_extra
+    x = torch.randn(batch, channels, generator=gen).to(dtype)  # [B, C]
+    state = torch.randn(NUM_SLOTS, channels, width, generator=gen).to(dtype)  # [S, C, W]
+    weight = torch.randn(channels, kernel_size, generator=gen).to(dtype)  # [C, K]
+    bias = torch.randn(channels, generator=gen).to(dtype)  # [C]
+    slots = torch.randperm(NUM_SLOTS, generator=gen)[:batch].to(torch.int32)  # [B]
+    has_state = torch.tensor([True, False, True, True, False])  # [B]
+    offsets = _offsets([1] * batch)
+    state_ref, state_dec = state.clone(), state.clone()
+    out_ref = causal_conv1d_reference(x, state_ref, weight, bias, slots, has_state, offsets, "silu")
+    out_dec = causal_conv1d(x, state_dec, weight, bias, slots, has_state, offsets, "silu", decode=True)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out_dec, out_ref, atol=tol, rtol=tol)
+    assert torch.equal(state_dec, state_ref)
+    with pytest.raises(ValueError, match="decode=True needs one token per request"):
+        causal_conv1d(x[:3], state_dec, weight, bias, slots, has_state, offsets, decode=True)

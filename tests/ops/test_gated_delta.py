@@ -173,3 +173,18 @@ def test_bad_arguments_are_refused() -> None:
         gated_delta_rule(
             **step, state=torch.zeros(2, 2, 4, 4).double(), slots=torch.tensor([0]), has_state=torch.tensor([True])
         )
+
+
+def test_a_decode_step_takes_the_batched_recurrent_path() -> None:
+    """Every request with one token (row b is request b): the same output and states as the reference."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [1, 1, 1, 1]
+    step = random_step(gen, lengths, 2, 4, 8, 6, normalise_keys=True)
+    slots, _ = slots_for(gen, len(lengths))
+    has_state = torch.tensor([True, False, True, True])
+    state = random_state(gen, 4, 8, 6)
+    ref_state, fast_state = state.clone(), state.clone()
+    ref = gated_delta_reference(**step, state=ref_state, slots=slots, has_state=has_state, use_qk_l2norm_in_kernel=True)
+    fast = gated_delta_rule(**step, state=fast_state, slots=slots, has_state=has_state, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(fast, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(fast_state, ref_state, atol=ATOL, rtol=0)

@@ -250,3 +250,18 @@ def test_bad_arguments_are_refused() -> None:
         ssd_scan(
             **step, state=torch.zeros(2, 2, 4, 4), slots=torch.tensor([0]), has_state=torch.tensor([True]), chunk_size=0
         )
+
+
+def test_a_decode_step_takes_the_batched_recurrent_path() -> None:
+    """Every request with one token (row b is request b): the same output and states as the reference."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [1, 1, 1, 1]
+    step = random_step(gen, lengths, 4, 2, 8, 6)
+    slots, _ = slots_for(gen, len(lengths))
+    has_state = torch.tensor([True, False, True, True])
+    state = random_state(gen, 4, 8, 6)
+    ref_state, fast_state = state.clone(), state.clone()
+    ref = ssd_reference(**step, state=ref_state, slots=slots, has_state=has_state)
+    fast = ssd_scan(**step, state=fast_state, slots=slots, has_state=has_state)
+    torch.testing.assert_close(fast, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(fast_state, ref_state, atol=ATOL, rtol=0)

@@ -133,6 +133,8 @@ def causal_conv1d(
     has_state: torch.Tensor,
     input_row_offsets: torch.Tensor,
     activation: str | None = None,
+    *,
+    decode: bool = False,
 ) -> torch.Tensor:
     """Causal depthwise conv1d over the ragged batch `x`, continuing each request's conv state.
 
@@ -144,6 +146,10 @@ def causal_conv1d(
     Vectorised with no loop over requests and no host sync: the new inputs and each request's
     prior state are stacked into one source ``[T + B * W, C]``; every token gathers its K-wide
     window from it (``[T, K, C]``) and every request its new state (``[B, W, C]``).
+
+    `decode`: the caller promises one token per request (request b owns row b, as in a decode step);
+    the window is then the prior state's last ``K - 1`` inputs and the token, with no index building.
+    ValueError when `x` does not have one row per request.
     """
     _check(x, conv_state, weight, bias, slots, has_state, input_row_offsets, activation)
     num_tokens, channels = x.shape
@@ -151,6 +157,10 @@ def causal_conv1d(
     width = conv_state.shape[2]
     batch = slots.shape[0]
     device = x.device
+    if decode:
+        if num_tokens != batch:
+            raise ValueError(f"decode=True needs one token per request: x has {num_tokens} rows for {batch} requests")
+        return _decode(x, conv_state, weight, bias, slots, has_state, activation)
     offsets = input_row_offsets.to(device=device, dtype=torch.long)  # [B + 1]
     starts = offsets[:-1]  # [B]
     lengths = offsets[1:] - starts  # [B]
@@ -185,3 +195,26 @@ def causal_conv1d(
     new_state = source[source_rows(batch_idx[:, None], state_rel)]  # [B, W, C]
     conv_state.index_copy_(0, slot_idx, new_state.transpose(1, 2).to(conv_state.dtype))  # [B, C, W]
     return y.to(x.dtype)
+
+
+def _decode(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    slots: torch.Tensor,
+    has_state: torch.Tensor,
+    activation: str | None,
+) -> torch.Tensor:
+    """`causal_conv1d` for one token per request (row b is request b's token)."""
+    kernel_size, width = weight.shape[1], conv_state.shape[2]
+    slot_idx = slots.to(device=x.device, dtype=torch.long)  # [B]
+    prior = conv_state.index_select(0, slot_idx).float()  # [B, C, W]
+    keep = has_state.to(x.device).view(-1, 1, 1)  # [B, 1, 1]
+    prior = torch.where(keep, prior, torch.zeros_like(prior))  # [B, C, W]
+    inputs = torch.cat([prior, x.float()[:, :, None]], dim=2)  # [B, C, W + 1], oldest first
+    y = (inputs[:, :, width + 1 - kernel_size :] * weight.float()[None]).sum(dim=2)  # [B, C]
+    if bias is not None:
+        y = y + bias.float()  # [B, C]
+    conv_state.index_copy_(0, slot_idx, inputs[:, :, 1:].to(conv_state.dtype))  # [B, C, W]
+    return _activate(y, activation).to(x.dtype)

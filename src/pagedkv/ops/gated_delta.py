@@ -228,6 +228,10 @@ def gated_delta_rule(
     lengths = [offsets[b + 1] - offsets[b] for b in range(len(offsets) - 1)]
     device = value.device
     initial = initial_states(state, slots, has_state)  # [B, H, Dk, Dv]
+    if len(lengths) == value.shape[0] and all(n == 1 for n in lengths):  # a decode step: row b is request b
+        out_d, final_d = _recurrent_step(q, k, v, g32, b32, initial)  # [B, H, Dv], [B, H, Dk, Dv]
+        state[slots.long()] = final_d
+        return out_d.to(query.dtype)
     final = initial.clone()  # [B, H, Dk, Dv]
     out = torch.zeros(value.shape, dtype=torch.float32, device=device)  # [T, H_v, Dv]
 

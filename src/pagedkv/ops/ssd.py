@@ -249,12 +249,36 @@ def ssd_scan(
     x32, dt32, a32, b32, c32 = _prepare(x, dt, A, B, C, dt_bias, dt_softplus, time_step_limit)
     offsets = input_row_offsets.tolist()
     lengths = [offsets[b + 1] - offsets[b] for b in range(len(offsets) - 1)]
-    device = x.device
     initial = initial_states(state, slots, has_state)  # [B, H, P, N]
-    final = initial.clone()  # [B, H, P, N]
-    out = torch.zeros(x.shape, dtype=torch.float32, device=device)  # [T, H, P]
-
     decode = [b for b, n in enumerate(lengths) if n == 1]
+    if len(decode) == len(lengths) == x.shape[0]:  # a decode step: row b is request b
+        out, final = _recurrent_step(x32, dt32, a32, b32, c32, initial)  # [B, H, P], [B, H, P, N]
+    else:
+        final = initial.clone()  # [B, H, P, N]
+        out = _ragged(x32, dt32, a32, b32, c32, initial, final, offsets, lengths, decode, chunk_size)  # [T, H, P]
+    if D is not None:
+        out = out + D.to(torch.float32)[:, None] * x32  # the skip, every token
+    state[slots.long()] = final
+    return out.to(x.dtype)
+
+
+def _ragged(
+    x32: torch.Tensor,
+    dt32: torch.Tensor,
+    a32: torch.Tensor,
+    b32: torch.Tensor,
+    c32: torch.Tensor,
+    initial: torch.Tensor,
+    final: torch.Tensor,
+    offsets: list[int],
+    lengths: list[int],
+    decode: list[int],
+    chunk_size: int,
+) -> torch.Tensor:
+    """`ssd_scan`'s output ``[T, H, P]`` for a batch mixing decodes and prefills; each request's final
+    state goes to ``final[b]`` ([B, H, P, N], updated in place)."""
+    device = x32.device
+    out = torch.zeros(x32.shape, dtype=torch.float32, device=device)  # [T, H, P]
     if decode:
         idx = torch.tensor(decode, device=device)  # [Bd]
         rows = torch.tensor([offsets[b] for b in decode], device=device)  # [Bd]
@@ -268,8 +292,4 @@ def ssd_scan(
             chunk_size,
         )  # fmt: skip
         out[rows], final[idx] = out_rows, final_p
-
-    if D is not None:
-        out = out + D.to(torch.float32)[:, None] * x32  # the skip, every token
-    state[slots.long()] = final
-    return out.to(x.dtype)
+    return out
