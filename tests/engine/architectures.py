@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from state_models import STATE_MODELS
 
 COMMON = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -109,6 +110,16 @@ def _older_suites() -> dict[str, str]:
     return covered
 
 
+STATE_KINDS = {
+    "qwen3_next": "gated delta net", "qwen3_5_text": "gated delta net", "olmo_hybrid": "gated delta net",
+    "bamba": "Mamba2", "granitemoehybrid": "Mamba2", "falcon_h1": "Mamba2 beside attention in every layer",
+    "nemotron_h": "Mamba2 (and MLP-only layers)", "jamba": "Mamba1", "lfm2": "short convolution",
+    "mamba2": "Mamba2 (no attention)", "mamba": "Mamba1 (no attention)",
+}  # fmt: skip
+STATE_SHOWN = ("layer_types", "layers_block_type", "attn_layer_indices", "attn_layer_period", "attn_layer_offset",
+               "mamba_chunk_size", "chunk_size", "linear_conv_kernel_dim", "conv_kernel", "conv_L_cache")  # fmt: skip
+
+
 def render_markdown() -> str:
     """docs/MODELS.md: the architectures the tests run to parity with transformers, and the refused ones."""
     lines = [
@@ -131,6 +142,24 @@ def render_markdown() -> str:
         lines.append(f"| `{model_type.partition('/')[0]}` | test_architectures.py | {shown} |")
     for model_type, suite in _older_suites().items():
         lines.append(f"| `{model_type}` | {suite} | |")
+    lines += [
+        "",
+        "## Recurrent-state models",
+        "",
+        "Every row below has layers that keep a recurrent state (gated delta net, Mamba2, Mamba1, short "
+        "convolution) in pagedkv's state slots, beside its attention pages in one pool "
+        "(`tests/engine/test_state_models.py`): prompts of 1 to 60 tokens cut at odd places by a 13-token "
+        "budget, steps mixing prefill chunks and decodes, fp32 logits within 1e-3 of one full forward of "
+        "transformers over prompt + output at every generated position, greedy tokens equal to its argmax, "
+        "and again in a pool that forces preemption (the state is recomputed). Prefix caching does not hit on "
+        "these models yet: a state slot is updated in place, so a cached prefix has no state to resume from.",
+        "",
+        "| model type | state layers | config of the test |",
+        "|---|---|---|",
+    ]
+    for model_type, overrides in STATE_MODELS.items():
+        shown = ", ".join(f"`{k}={v!r}`" for k, v in overrides.items() if k in STATE_SHOWN) or "defaults"
+        lines.append(f"| `{model_type}` | {STATE_KINDS[model_type]} | {shown} |")
     lines += ["", "## Refused (for now)", "", "| model type | config | reason |", "|---|---|---|"]
     for model_type, overrides, reason in REFUSED:
         shown = ", ".join(f"`{k}={v!r}`" for k, v in overrides.items()) or "defaults"

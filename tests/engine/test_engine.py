@@ -53,9 +53,9 @@ def test_errors() -> None:
         LLMEngine.from_hf(build("llama"), num_pages=8, memory_budget=10**6)
     import transformers
 
-    config = transformers.MambaConfig(num_hidden_layers=1, hidden_size=32, vocab_size=64, state_size=4)
-    with pytest.raises(ValueError, match="model_type='mamba' cannot run on pagedkv: layer types .* keep state"):
-        LLMEngine.from_hf(transformers.MambaForCausalLM(config), num_pages=8)
+    config = transformers.FalconMambaConfig(num_hidden_layers=1, hidden_size=32, vocab_size=64, state_size=4)
+    with pytest.raises(ValueError, match="model_type='falcon_mamba' cannot run on pagedkv: it has neither attention"):
+        LLMEngine.from_hf(transformers.FalconMambaForCausalLM(config), num_pages=8)  # a mixer no adapter serves
     eng = engine(num_pages=2)
     with pytest.raises(ValueError, match="max_new_tokens=0 must be at least 1"):
         eng.add_request([1, 2], 0)

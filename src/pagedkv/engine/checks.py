@@ -11,13 +11,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from pagedkv.core.context import as_token_array
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.hashing import check_salt
 from pagedkv.core.managers import manager_for, min_request_pages
+from pagedkv.dtype import DType
 from pagedkv.engine.sampling import SamplingParams
+from pagedkv.hf.mixers import adapter_for
+from pagedkv.hf.support import state_modules
 from pagedkv.manager.paged import PagedKVCacheManager
+from pagedkv.state_params import StateCacheParams
 from pagedkv.validation import INT32_MAX, check_int
 
 __all__ = ["check_fits", "check_prompts", "check_request"]
@@ -91,3 +96,29 @@ def check_prompts(prompts: Any) -> None:
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence | np.ndarray):
             raise TypeError(f"prompts[{i}]={prompt!r} must be a sequence of token ids")
+
+
+def check_state_layers(model: torch.nn.Module, leaves: Sequence[Any], state_map: dict[int, tuple[int, int]]) -> None:
+    """ValueError unless `state_map` covers exactly the model's recurrent mixers (`pagedkv.hf.support.state_modules`)
+    and each names a `StateCacheParams` group whose `MambaSpec` has the shapes and dtypes the mixer's adapter
+    reads and writes (one replica's whole TP group). Changes nothing."""
+    mixers = state_modules(model)
+    if sorted(mixers) != sorted(state_map):
+        raise ValueError(f"state_map has layers {sorted(state_map)} but the model's recurrent mixers are at layers "
+                         f"{sorted(mixers)}")  # fmt: skip
+    dtype = next(model.parameters()).dtype
+    for idx, (group, slot) in sorted(state_map.items()):
+        leaf = leaves[group] if 0 <= group < len(leaves) else None
+        if not isinstance(leaf, StateCacheParams) or not 0 <= slot < leaf.num_layers:
+            raise ValueError(f"state_map[{idx}]=({group}, {slot}) is not a layer slot of a StateCacheParams group")
+        name, module = mixers[idx]
+        adapter = adapter_for(module)
+        assert adapter is not None
+        shapes, dtypes = adapter.state_spec(module, dtype)
+        want = (tuple(tuple(s) for s in shapes), tuple(DType.from_torch(d) for d in dtypes))
+        have = (leaf.spec.shapes, leaf.spec.dtypes)
+        if want != have:
+            raise ValueError(
+                f"state group {group} (layer {idx}, {name}) has state shapes {have[0]} and dtypes "
+                f"{[d.name for d in have[1]]}, but the mixer reads and writes {want[0]} in {[d.name for d in want[1]]}"
+            )

@@ -24,18 +24,21 @@ import torch
 from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.dtype import DType
-from pagedkv.engine.checks import check_prompts, check_request
+from pagedkv.engine.checks import check_prompts, check_request, check_state_layers
 from pagedkv.engine.request import Request
 from pagedkv.engine.sampling import SamplingParams, sample
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.hf import alibi
 from pagedkv.hf.attention import pagedkv_attention, register
 from pagedkv.hf.config import kv_layout
-from pagedkv.hf.context import ATTENTION_NAME, ForwardContext, active
+from pagedkv.hf.context import ATTENTION_NAME, ForwardContext, StateContext, active
 from pagedkv.hf.rope import install as install_positions
+from pagedkv.hf.state_layers import install as install_state_layers
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheQuantizationConfig
 from pagedkv.runtime.inputs import MultiKVCacheInputs
+from pagedkv.specs import SchedulerLimits
+from pagedkv.state_params import StateCacheParams
 from pagedkv.validation import INT32_MAX, check_int, check_weights_version
 
 __all__ = ["LLMEngine", "EngineStats"]
@@ -59,6 +62,8 @@ class LLMEngine:
         model: a causal LM whose attention implementation is ``"pagedkv"``.
         manager: the page manager (one replica, one device).
         layer_map: model layer index -> (group, slot) for a hybrid manager (see `pagedkv.hf.kv_layout`).
+        state_map: model layer index -> (state group, slot) of each recurrent layer (`pagedkv.hf.kv_layout`);
+            its mixers are switched to pagedkv's state slots (`pagedkv.hf.state_layers`).
         max_num_batched_tokens: token budget per step (prefills are chunked to fit).
         max_batch_size: most requests per step (defaults to the manager's).
         record_logits: keep every generated token's logits [V] on its request (tests).
@@ -77,6 +82,7 @@ class LLMEngine:
         record_logits: bool = False,
         layer_map: dict[int, tuple[int, int]] | None = None,
         preemption_mode: str | None = None,
+        state_map: dict[int, tuple[int, int]] | None = None,
     ) -> None:
         check_int("max_num_batched_tokens", max_num_batched_tokens, 1, INT32_MAX)
         if max_batch_size is not None:
@@ -90,6 +96,7 @@ class LLMEngine:
             raise ValueError("preemption_mode='swap' needs a host tier: a local/tiered kv_connector (or host pages)")
         if manager.num_replicas != 1 or len(manager.params.devices) != 1:
             raise ValueError("LLMEngine drives one replica on one device")
+        check_state_layers(model, manager.params.leaves(), dict(state_map or {}))  # before the model changes
         self.model = model
         install_positions(model)  # length-dependent RoPE per request (`pagedkv.hf.rope`)
         self._alibi_slopes = None  # float32 [H_q]: an ALiBi model's slopes, once (`pagedkv.hf.alibi`)
@@ -99,7 +106,13 @@ class LLMEngine:
             alibi.install(model, pagedkv_attention)
         self.manager = manager
         self.layer_map = dict(layer_map or {})
-        self._group_params = manager.params.leaves()
+        self.state_map = dict(state_map or {})
+        leaves = manager.params.leaves()
+        self._state_groups = [g for g, leaf in enumerate(leaves) if isinstance(leaf, StateCacheParams)]
+        self._group_params = [leaf for leaf in leaves if not isinstance(leaf, StateCacheParams)]
+        if self._state_groups and self._state_groups[0] != len(self._group_params):
+            raise ValueError("state groups must come after the attention groups in the params tree")
+        install_state_layers(model)
         self.device = manager.params.devices[0].to_torch()
         batch = max_batch_size or manager.max_batch_size
         self.preemption_mode = mode
@@ -180,15 +193,16 @@ class LLMEngine:
             manager = PagedKVCacheManager.from_memory_budget(params, memory_budget, max_batch_size=max_batch_size)
         previous = getattr(model.config, "_attn_implementation", None)
         register()
-        if alibi.wrapped_type(model.config) is None:  # Bloom, MPT, Falcon keep theirs; their attention is wrapped
+        switch = alibi.wrapped_type(model.config) is None and bool(layout.layer_map)  # (a pure state model: none)
+        if switch:  # Bloom, MPT, Falcon keep theirs; their attention is wrapped
             model.set_attn_implementation(ATTENTION_NAME)  # type: ignore[operator]
         try:
             return cls(
                 model, manager, max_num_batched_tokens=max_num_batched_tokens, record_logits=record_logits,
-                layer_map=layout.layer_map, preemption_mode=preemption_mode,
+                layer_map=layout.layer_map, preemption_mode=preemption_mode, state_map=layout.state_map,
             )  # fmt: skip
         except BaseException:
-            if previous is not None and alibi.wrapped_type(model.config) is None:
+            if previous is not None and switch:
                 model.set_attn_implementation(previous)  # type: ignore[operator]
             manager.close()
             raise
@@ -355,15 +369,20 @@ class LLMEngine:
         ctxs = [r.ctx for r in batch]
         tree = self.manager.runtime_inputs([ctxs])
         groups = list(tree.children.values()) if isinstance(tree, MultiKVCacheInputs) else [tree]
-        inputs = [g.inputs[0] for g in groups]  # one device
+        records = [g.inputs[0] for g in groups]  # one device
+        inputs = records[: len(self._group_params)]  # attention groups first, state groups after
         ids = np.concatenate([c.tokens.active for c in ctxs]).astype(np.int64)  # [T]
         offsets = np.zeros(len(ctxs) + 1, dtype=np.int64)  # [B + 1]
         np.cumsum([c.tokens.active_length for c in ctxs], out=offsets[1:])
         lengths = torch.tensor([len(c.tokens) for c in ctxs], dtype=torch.int64)  # [B]: prompt + generated
+        states = None
+        if self._state_groups:  # per state group once: its slots; per layer: its state tensors
+            state_records = {g: records[g] for g in self._state_groups}
+            states = StateContext.build(state_records, torch.from_numpy(offsets), self.state_map)  # type: ignore[arg-type]
         context = ForwardContext.build(
             inputs, self._group_params, torch.from_numpy(offsets), len(ids), self.layer_map,
             sequence_lengths=lengths, model_config=getattr(self.model, "config", None),
-            alibi_slopes=self._alibi_slopes,
+            alibi_slopes=self._alibi_slopes, states=states,
         )  # fmt: skip
         with torch.inference_mode(), active(context):  # for layers that drop the pagedkv keyword
             out = self.model(
@@ -392,4 +411,18 @@ class LLMEngine:
             "prefill_tokens_computed": sched.admitted_tokens - sched.cached_tokens,
             "preemptions": sched.preemptions, "swaps": sched.swaps, "cache_hit_rate": metrics.cache_hit_rate,
             "used_pages": metrics.used_pages, "total_pages": metrics.total_pages,
+            "page_size": self.manager.page_size, **self._state_summary(),
         }  # fmt: skip
+
+    def _state_summary(self) -> dict[str, int]:
+        """Recurrent-state memory per request: the specs' arithmetic (`MambaSpec.max_memory_usage_bytes` per
+        layer, summed) and the pool pages it occupies (one slot per state group, plus draft slots)."""
+        leaves = [leaf for leaf in self.manager.params.leaves() if isinstance(leaf, StateCacheParams)]
+        limits = SchedulerLimits(max_model_len=1)
+        return {
+            "state_layers": sum(leaf.num_layers for leaf in leaves),
+            "state_bytes_per_request": sum(
+                leaf.num_layers * leaf.spec.max_memory_usage_bytes(limits) for leaf in leaves
+            ),
+            "state_pages_per_request": sum(leaf.spec.slots_per_request for leaf in leaves),
+        }

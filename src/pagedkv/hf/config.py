@@ -14,15 +14,15 @@ each with its own page shape over the one pool (`pagedkv.runtime.arena`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from pagedkv.dtype import DeviceRef, DType
-from pagedkv.hf.support import check_config, check_model, kv_shapes
+from pagedkv.hf.support import check_config, check_model, kv_shapes, state_modules
 from pagedkv.interface.bridge import params_from_kv_cache_config
-from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec, group_layer_specs
+from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec, group_layer_specs, unify_state_block_size
 from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams, KVCacheQuantizationConfig
 from pagedkv.specs import (
@@ -30,9 +30,11 @@ from pagedkv.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
+from pagedkv.state_params import StateCacheParams
 
 __all__ = ["KVLayout", "kv_layout", "kv_params_from_config", "device_ref"]
 
@@ -48,10 +50,18 @@ def device_ref(device: torch.device) -> DeviceRef:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The cache of a model: `params`, and model layer index -> (group, slot within the group)."""
+    """The cache of a model: `params`, model layer index -> (group, slot within the group) of its attention
+    (`layer_map`) and of its recurrent state (`state_map`; groups index ``params.leaves()``). Attention groups
+    come first, state groups (`StateCacheParams`) after them."""
 
     params: KVCacheParams | MultiKVCacheParams
     layer_map: dict[int, tuple[int, int]]
+    state_map: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def num_attention_groups(self) -> int:
+        """Groups holding attention pages (the first ones)."""
+        return sum(not isinstance(leaf, StateCacheParams) for leaf in self.params.leaves())
 
     @property
     def num_groups(self) -> int:
@@ -102,21 +112,52 @@ def kv_layout(
     and ``head_dim`` (Gemma 4: sliding and full layers differ); all groups share one pool of page ids.
     """
     check_config(config)
-    shapes = kv_shapes(config) if model is None else check_model(model)
     storage = kv_dtype or DType.from_torch(dtype)
-    specs: dict[str, KVCacheSpec] = {
-        str(i): _layer_spec(config, k, page_size, storage, shapes[i]) for i, k in enumerate(_layer_kinds(config))
-    }
-    groups = group_layer_specs(specs, by_shape=True)
+    kinds = _layer_kinds(config)
+    specs: dict[str, KVCacheSpec] = {}
+    if model is None:
+        if any(k not in ("full_attention", "sliding_attention", "chunked_attention") for k in kinds):
+            raise ValueError(f"model_type={config.model_type!r} has recurrent-state layers: pass model= to "
+                             "kv_layout so their state shapes come from the modules")  # fmt: skip
+        shapes = dict(enumerate(kv_shapes(config)))
+    else:
+        shapes = check_model(model)
+    for i, shape in shapes.items():  # attention layers first: their groups come first
+        kind = "full_attention" if kinds[i] == "hybrid" else kinds[i]  # Falcon-H1: attention beside a mixer
+        specs[str(i)] = _layer_spec(config, kind, page_size, storage, shape)
+    spec_tokens = int(params_kwargs.get("num_eagle_speculative_tokens", 0) or 0)
+    for i, spec in (_state_specs(model, dtype, page_size, spec_tokens) if model is not None else {}).items():
+        specs[f"state{i}"] = spec
+    groups = group_layer_specs(unify_state_block_size(specs), by_shape=True)
     devices = [device_ref(device or torch.device("cpu"))]
-    extra: dict[str, Any] = dict(kvcache_quant_config=quantization, num_q_heads=config.num_attention_heads)
+    extra: dict[str, Any] = dict(
+        kvcache_quant_config=quantization, num_q_heads=getattr(config, "num_attention_heads", None)
+    )
     extra.update(params_kwargs)
-    layer_map = {int(name): (g, slot) for g, (names, _) in enumerate(groups) for slot, name in enumerate(names)}
+    layer_map = {int(n): (g, j) for g, (names, _) in enumerate(groups) for j, n in enumerate(names) if n.isdigit()}
+    state_map = {
+        int(n[5:]): (g, j) for g, (names, _) in enumerate(groups) for j, n in enumerate(names) if n.startswith("state")
+    }
     config_view = KVCacheConfig(1, [], [KVCacheGroupSpec(names, spec) for names, spec in groups])
     tree = params_from_kv_cache_config(config_view, devices, **extra)
-    if len(groups) == 1:
+    if len(groups) == 1 and not state_map:
         return KVLayout(tree.leaves()[0], layer_map)
-    return KVLayout(tree, layer_map)
+    return KVLayout(tree, layer_map, state_map)
+
+
+def _state_specs(model: torch.nn.Module, dtype: torch.dtype, page_size: int, drafts: int) -> dict[int, MambaSpec]:
+    """Layer index -> the `MambaSpec` of each recurrent mixer of `model` (`pagedkv.hf.mixers`)."""
+    from pagedkv.hf.mixers import adapter_for
+
+    out = {}
+    for idx, (_, module) in sorted(state_modules(model).items()):
+        adapter = adapter_for(module)
+        assert adapter is not None
+        shapes, dtypes = adapter.state_spec(module, dtype)
+        stored = tuple(DType.from_torch(d) for d in dtypes)
+        out[idx] = MambaSpec(block_size=page_size, shapes=shapes, dtypes=stored, mamba_type=adapter.mamba_type,
+                             num_speculative_blocks=drafts)  # fmt: skip
+    return out
 
 
 def kv_params_from_config(config: Any, **kwargs: Any) -> KVCacheParams | MultiKVCacheParams:

@@ -20,13 +20,16 @@ from typing import Any
 import torch
 
 from pagedkv import ops
+from pagedkv.hf.mixers.base import StateBatch
 from pagedkv.hf.positions import temperature_correction, uses_temperature_tuning
 from pagedkv.ops.masks import AttentionOptions
 from pagedkv.ops.metadata import PagedMetadata
 from pagedkv.params import KVCacheParams
-from pagedkv.runtime.inputs import RaggedKVCacheInputs
+from pagedkv.runtime.inputs import RaggedKVCacheInputs, StateCacheInputs
 
-__all__ = ["ATTENTION_NAME", "ForwardContext", "GroupContext", "active", "attention_options", "current"]
+__all__ = [
+    "ATTENTION_NAME", "ForwardContext", "GroupContext", "StateContext", "active", "attention_options", "current",
+]  # fmt: skip
 
 ATTENTION_NAME = "pagedkv"
 _CURRENT: ContextVar[ForwardContext | None] = ContextVar("pagedkv_forward_context", default=None)
@@ -88,6 +91,71 @@ class GroupContext:
 
 
 @dataclass(frozen=True, eq=False)
+class StateContext:
+    """The recurrent-state groups of one step, built once: per state group a `StateBatch` (its slots), and
+    per model layer its group's batch and its state tensors (`pagedkv.hf.mixers` adapters read them).
+
+    Attributes:
+        batches: state group index (in ``params.leaves()``) -> the step's `StateBatch` of that group.
+        records: state group index -> its `StateCacheInputs`.
+        state_map: model layer index -> (state group index, layer slot in the group).
+    """
+
+    batches: dict[int, StateBatch]
+    records: dict[int, StateCacheInputs]
+    state_map: dict[int, tuple[int, int]]
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the state tensors."""
+        return next(iter(self.records.values())).state_slots.device
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """int64 [T] on the device: each packed token's position (its request's processed tokens plus its
+        offset in the step); what a model without an attention group gets as ``position_ids``."""
+        batch = next(iter(self.batches.values()))
+        record = next(iter(self.records.values()))
+        offsets, total = batch.input_row_offsets, sum(batch.lengths)  # [B + 1]
+        counts = offsets[1:] - offsets[:-1]  # [B]
+        starts = torch.repeat_interleave(offsets[:-1], counts, output_size=total)  # [T]
+        base = torch.repeat_interleave(record.cache_lengths.to(torch.int64), counts, output_size=total)  # [T]
+        return base + torch.arange(total, device=offsets.device) - starts  # [T]
+
+    @classmethod
+    def build(
+        cls,
+        records: dict[int, StateCacheInputs],
+        input_row_offsets: torch.Tensor,
+        state_map: dict[int, tuple[int, int]],
+    ) -> StateContext:
+        """The context of `records` (one per state group, one device) for requests packed at `input_row_offsets`
+        (int [B + 1], host or device). ValueError when `state_map` names a group without a record."""
+        missing = sorted({g for g, _ in state_map.values()} - set(records))
+        if missing:
+            raise ValueError(f"state_map names state groups {missing} that have no StateCacheInputs")
+        first = next(iter(records.values()))
+        device = first.state_slots.device
+        host = input_row_offsets.to("cpu", torch.int64)  # [B + 1]
+        lengths = (host[1:] - host[:-1]).tolist()
+        offsets = host.to(device)  # [B + 1]
+        has_state = first.has_initial_state  # [B] (every state group shares the requests' progress)
+        batches = {
+            g: StateBatch(offsets, lengths, rec.state_slots[:, 0].to(torch.int64), has_state)
+            for g, rec in records.items()
+        }
+        return cls(batches, dict(records), dict(state_map))
+
+    def locate(self, layer_idx: int) -> tuple[StateBatch, tuple[torch.Tensor, ...]]:
+        """The step's batch and the state tensors ``[num_pages, *shape]`` of model layer `layer_idx`;
+        KeyError naming the layer when it has no state group."""
+        if layer_idx not in self.state_map:
+            raise KeyError(f"model layer {layer_idx} has no state group (state layers: {sorted(self.state_map)})")
+        group, slot = self.state_map[layer_idx]
+        return self.batches[group], self.records[group].layer_states[slot]
+
+
+@dataclass(frozen=True, eq=False)
 class ForwardContext:
     """What one forward pass needs to reach the pages: passed as ``model(..., pagedkv=ctx)``.
 
@@ -108,6 +176,7 @@ class ForwardContext:
     layer_map: dict[int, tuple[int, int]] = field(default_factory=dict)
     sequence_lengths: torch.Tensor | None = None
     query_scale: torch.Tensor | None = None
+    states: StateContext | None = None
 
     @classmethod
     def build(
@@ -121,6 +190,7 @@ class ForwardContext:
         sequence_lengths: torch.Tensor | None = None,
         model_config: Any = None,
         alibi_slopes: torch.Tensor | None = None,
+        states: StateContext | None = None,
     ) -> ForwardContext:
         """A context for one device: `inputs[g]` and `params[g]` per group, `num_tokens` packed tokens.
 
@@ -131,10 +201,14 @@ class ForwardContext:
         attribute). `model_config` (the transformers config): its position-dependent features
         are computed here, once per step, from each token's own position (`pagedkv.hf.positions`);
         without it a temperature-tuned Llama 4 layer refuses to run. `alibi_slopes` (float32 [H_q], the
-        model's, `pagedkv.hf.alibi.slopes`) join every group's options. Raises ValueError when
-        `sequence_lengths` does not have one entry per request.
+        model's, `pagedkv.hf.alibi.slopes`) join every group's options. `states`: the step's recurrent-state
+        groups (`StateContext`), for models with state layers (a pure state model has no attention
+        `inputs`). Raises ValueError when `sequence_lengths` does not have one entry per request.
         """
-        offsets = input_row_offsets.to(inputs[0].cache_lengths.device)  # [B + 1]
+        if not inputs and states is None:
+            raise ValueError("a forward context needs attention inputs or a StateContext")
+        device = inputs[0].cache_lengths.device if inputs else states.device  # type: ignore[union-attr]
+        offsets = input_row_offsets.to(device)  # [B + 1]
         groups: list[GroupContext] = []
         positions: dict[int, PagedMetadata] = {}  # id(cache_lengths) -> the first metadata built over it
         for group_inputs, group_params in zip(inputs, params, strict=True):
@@ -153,11 +227,11 @@ class ForwardContext:
             lengths = torch.as_tensor(sequence_lengths, dtype=torch.int64, device="cpu")  # [B]
             if lengths.shape != (offsets.shape[0] - 1,):
                 raise ValueError(f"sequence_lengths has shape {tuple(lengths.shape)}; {offsets.shape[0] - 1} requests")
-        ctx = cls(groups, offsets, dict(layer_map or {}), lengths)
+        ctx = cls(groups, offsets, dict(layer_map or {}), lengths, None, states)
         if model_config is None or not uses_temperature_tuning(model_config):
             return ctx
         scale = temperature_correction(model_config, ctx.positions)  # [T, 1, 1]
-        return cls(groups, offsets, ctx.layer_map, lengths, scale)
+        return cls(groups, offsets, ctx.layer_map, lengths, scale, states)
 
     @property
     def token_sequence_lengths(self) -> torch.Tensor:
@@ -177,6 +251,8 @@ class ForwardContext:
         for group in self.groups:
             if group.options.causal:
                 return group.metadata.token_position  # [T]
+        if self.states is not None:  # a pure state model
+            return self.states.positions  # [T]
         raise ValueError("this forward context has no causal page-table group, so no token positions")
 
     def locate(self, layer_idx: int) -> tuple[GroupContext, int]:

@@ -14,8 +14,12 @@ themselves and are served by wrapping their attention modules
 (`pagedkv.hf.config`), and so do per-layer K/V shapes of heterogeneous configs
 (Gemma 4: `kv_shapes`, one page-table group per attention type and shape).
 
+Recurrent layers (Mamba, Mamba2, gated delta net, short convolutions) run when
+`pagedkv.hf.mixers` has an adapter for their mixer class (`state_modules`):
+their state lives in pagedkv's state slots.
+
 `check_config` refuses, from the config alone, what no decoder layout can hold:
-state beyond K/V (Mamba / linear-attention layer types), vision or audio
+layer types that are neither attention nor a served state, vision or audio
 towers, K/V shared across layers, ALiBi other than `pagedkv.hf.alibi`'s. `check_model` adds the checks on the
 modules; both raise ValueError naming the model type and the reason, before
 anything in the model is changed.
@@ -36,6 +40,8 @@ from pagedkv.hf.alibi import wrapped_type
 __all__ = [
     "ATTENTION_KINDS",
     "ATTENTION_KEYWORDS",
+    "STATE_KINDS",
+    "state_modules",
     "attention_modules",
     "check_config",
     "check_model",
@@ -44,6 +50,10 @@ __all__ = [
 ]
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+# layer types whose mixer keeps a recurrent state (served by `pagedkv.hf.mixers`), "hybrid" has attention and a
+# state mixer side by side (Falcon-H1); "mlp" / "moe" layers (Nemotron-H) keep nothing
+STATE_KINDS = ("linear_attention", "conv", "mamba", "hybrid")
+CACHELESS_KINDS = ("mlp", "moe")
 # keywords of the attention-function call that pagedkv applies (or that change nothing at inference)
 ATTENTION_KEYWORDS = frozenset({"scaling", "dropout", "sliding_window", "softcap", "s_aux", "position_ids"})
 _INTERFACE = "ALL_ATTENTION_FUNCTIONS"
@@ -71,9 +81,9 @@ def check_config(config: Any) -> None:
     if _alibi(config) and wrapped_type(config) is None:
         raise _refuse(config, "it adds ALiBi position biases, which pagedkv's attention does not apply yet")
     kinds = getattr(config, "layer_types", None) or []
-    other = sorted({k for k in kinds if k not in ATTENTION_KINDS})
+    other = sorted({k for k in kinds if k not in ATTENTION_KINDS + STATE_KINDS + CACHELESS_KINDS})
     if other:
-        raise _refuse(config, f"layer types {other} keep state beyond K/V (only {ATTENTION_KINDS} are paged)")
+        raise _refuse(config, f"layer types {other} are neither attention nor a recurrent state pagedkv serves")
 
 
 def _per_layer_shapes(config: Any) -> list[tuple[int, int]] | None:
@@ -144,9 +154,30 @@ def _uses_alibi(model: torch.nn.Module) -> bool:
     return False
 
 
-def check_model(model: torch.nn.Module) -> list[tuple[int, int]]:
-    """(K/V heads, head size) of each layer of `model`'s attention, or ValueError naming the model type and the reason
-    when it cannot run on pagedkv pages.
+def state_modules(model: torch.nn.Module) -> dict[int, tuple[str, torch.nn.Module]]:
+    """Layer index -> (name, module) of every mixer that keeps a recurrent state (`pagedkv.hf.mixers` has an
+    adapter for its class). ValueError when such a module has no integer ``layer_idx`` or two share one."""
+    from pagedkv.hf.mixers import adapter_for
+
+    found: dict[int, tuple[str, torch.nn.Module]] = {}
+    for name, module in model.named_modules():
+        if adapter_for(module) is None:
+            continue
+        idx = getattr(module, "layer_idx", None)
+        if not isinstance(idx, int) or isinstance(idx, bool):
+            raise _refuse(model.config, f"state mixer {name} has no integer layer_idx")
+        if idx in found:
+            raise _refuse(model.config, f"state mixers {found[idx][0]} and {name} share layer_idx {idx}")
+        found[idx] = (name, module)
+    return found
+
+
+def check_model(model: torch.nn.Module) -> dict[int, tuple[int, int]]:
+    """Layer index -> (K/V heads, head size) of each of `model`'s attention layers, or ValueError naming the
+    model type and the reason when it cannot run on pagedkv pages.
+
+    Every layer must have attention through the `AttentionInterface`, a state mixer `pagedkv.hf.mixers`
+    serves (`state_modules`), both (Falcon-H1), or be a layer the config types "mlp" / "moe" (no cache).
 
     Reads the config (`check_config`) and the modules; changes nothing. The shape is what the
     attention modules pass to the attention function: ``head_dim`` and ``num_key_value_groups`` of the
@@ -156,13 +187,17 @@ def check_model(model: torch.nn.Module) -> list[tuple[int, int]]:
     config: Any = model.config
     check_config(config)
     if wrapped_type(config) is not None:  # attention modules wrapped by `pagedkv.hf.alibi`
-        return [alibi_kv_shape(config)] * config.num_hidden_layers
-    layers = getattr(config, "num_hidden_layers", None)
+        return dict.fromkeys(range(config.num_hidden_layers), alibi_kv_shape(config))
     attention = attention_modules(model)
+    states = state_modules(model)
+    if not attention and states:  # a pure state model (Mamba, Mamba2)
+        _check_covered(config, set(), states)
+        return {}
     if not attention:
         if _uses_alibi(model) and getattr(config, "alibi", True):
             raise _refuse(config, "it adds ALiBi position biases, which pagedkv's attention does not apply yet")
-        raise _refuse(config, "its attention does not go through transformers' AttentionInterface")
+        raise _refuse(config, "it has neither attention through transformers' AttentionInterface nor a "
+                              "recurrent-state mixer pagedkv serves (pagedkv.hf.mixers)")  # fmt: skip
     can_set = getattr(type(model), "_can_set_attn_implementation", None)
     if callable(can_set) and not can_set():
         raise _refuse(config, "transformers cannot switch its attention implementation")
@@ -194,15 +229,27 @@ def check_model(model: torch.nn.Module) -> list[tuple[int, int]]:
             kv_heads = q_heads // groups
         own_head = getattr(module, "head_dim", None)
         shapes[idx] = (kv_heads, own_head if isinstance(own_head, int) else head)
-    if layers is not None and sorted(seen) != list(range(layers)):
-        missing = sorted(set(range(layers)) - set(seen))
+    _check_covered(config, set(seen), states)
+    if mla:
+        return dict.fromkeys(sorted(seen), kv_shape(config))
+    return {i: shapes[i] for i in sorted(shapes)}
+
+
+def _check_covered(config: Any, attention: set[int], states: dict[int, Any]) -> None:
+    """ValueError unless every layer index has attention or a state mixer (or is an "mlp" / "moe" layer),
+    and no module's index lies outside the layers."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if layers is None:
+        return
+    kinds = list(getattr(config, "layer_types", None) or [])
+    cacheless = {i for i, k in enumerate(kinds) if k in CACHELESS_KINDS}
+    covered = attention | set(states) | cacheless
+    missing = sorted(set(range(layers)) - covered)
+    if missing:
         raise _refuse(
             config,
-            f"layers {missing} have no attention through AttentionInterface (state beyond K/V, e.g. recurrent "
-            f"or Mamba layers)"
-            if missing
-            else f"attention layer indices {sorted(seen)} do not match {layers} layers",
+            f"layers {missing} have neither attention through AttentionInterface nor a recurrent-state mixer "
+            "pagedkv serves (pagedkv.hf.mixers)",
         )
-    if mla:
-        return [kv_shape(config)] * len(seen)
-    return [shapes[i] for i in sorted(shapes)]
+    if not covered <= set(range(layers)):
+        raise _refuse(config, f"layer indices {sorted(covered)} do not match {layers} layers")

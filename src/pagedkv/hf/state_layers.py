@@ -1,0 +1,56 @@
+"""Switch a model's recurrent mixers to pagedkv's state slots (the state-layer twin of `set_attn_implementation`).
+
+`install(model)` replaces the ``forward`` of every mixer `pagedkv.hf.mixers` has an
+adapter for (Mamba, Mamba2, gated delta net, short conv) with one that, inside
+an engine step (`pagedkv.hf.context.active`), runs the adapter over the step's
+packed ragged batch, reading and writing the request's state slots of the
+layer's state group; outside a step it calls the module's own forward, so the
+model still runs as transformers wrote it (e.g. its own ``generate``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedkv.hf.context import current
+from pagedkv.hf.mixers import MixerAdapter, adapter_for
+
+__all__ = ["install", "installed"]
+
+_MARK = "_pagedkv_state_forward"
+
+
+def _wrap(module: torch.nn.Module, adapter: MixerAdapter, layer_idx: int) -> None:
+    original = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        ctx = current()
+        if ctx is None or ctx.states is None:
+            return original(*args, **kwargs)
+        hidden = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]  # [1, T, D]
+        batch, states = ctx.states.locate(layer_idx)
+        return adapter.forward(module, hidden, batch, states)
+
+    setattr(forward, _MARK, True)
+    module.forward = forward  # type: ignore[method-assign]
+
+
+def installed(module: torch.nn.Module) -> bool:
+    """True when `module`'s forward is pagedkv's (see `install`)."""
+    return bool(getattr(module.forward, _MARK, False))
+
+
+def install(model: torch.nn.Module) -> int:
+    """Wrap every recurrent mixer of `model` (once; a second call changes nothing). Returns how many
+    mixers use pagedkv's state slots."""
+    count = 0
+    for module in model.modules():
+        adapter = adapter_for(module)
+        if adapter is None:
+            continue
+        if not installed(module):
+            _wrap(module, adapter, int(module.layer_idx))  # type: ignore[arg-type]
+        count += 1
+    return count

@@ -1,0 +1,142 @@
+"""Models with recurrent state (gated delta net, Mamba2, Mamba1, short conv) run exactly on pagedkv's state slots.
+
+The reference is the model's own definition: one full forward of transformers over prompt + output, with
+no cache (transformers' incremental decode drifts from it on some of these models). Per model type:
+prompts of 1 to 60 tokens, a token budget of 13 per step (prefills cut at odd places, steps mixing
+prefill chunks and decodes), fp32 logits within 1e-3 of the reference at every generated position
+(measured: ~1e-5) and greedy tokens equal to its argmax; then the same in the smallest pool any one
+request fits, so requests are preempted and their state recomputed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+
+import pytest
+import torch
+from state_models import STATE_MODELS, build_state_model
+
+from pagedkv.core.managers import manager_for, min_request_pages
+from pagedkv.engine import LLMEngine
+from pagedkv.engine.request import Request
+from pagedkv.hf.config import kv_layout
+from pagedkv.manager.paged import PagedKVCacheManager
+from pagedkv.multi_params import MultiKVCacheParams
+from pagedkv.state_params import StateCacheParams
+
+NEW_TOKENS = 5
+TOLERANCE = 1e-3
+LENGTHS = (1, 2, 3, 7, 16, 29, 44, 60)
+WORST: dict[str, float] = {}  # model type -> worst logit difference (printed with PAGEDKV_PRINT_WORST=1)
+
+
+def prompts(seed: int = 7) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def reference(model: torch.nn.Module, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[N, V]: the logits of each generated position from one full forward over prompt + output (no cache)."""
+    ids = torch.tensor([prompt + output[:-1]])
+    with torch.inference_mode():
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()  # [L, V]
+    return logits[len(prompt) - 1 :]
+
+
+def run(engine: LLMEngine, batch: list[list[int]]) -> list[Request]:
+    requests = [engine.add_request(p, NEW_TOKENS, stop_token_ids=[]) for p in batch]
+    engine.run()
+    return requests
+
+
+def check_parity(model_type: str, ref: torch.nn.Module, batch: list[list[int]], requests: list[Request]) -> float:
+    worst = 0.0
+    for prompt, request in zip(batch, requests, strict=True):
+        assert len(request.output) == NEW_TOKENS
+        expected = reference(ref, prompt, request.output)  # [N, V]
+        got = torch.stack(request.logits)  # [N, V]
+        worst = max(worst, float((got - expected).abs().max()))
+        assert request.output == expected.argmax(-1).tolist(), (model_type, len(prompt))
+    assert worst <= TOLERANCE, (model_type, worst)
+    WORST[model_type] = max(WORST.get(model_type, 0.0), worst)
+    if os.environ.get("PAGEDKV_PRINT_WORST"):
+        print(f"\n{model_type}: worst logit difference {worst:.2e}")
+    return worst
+
+
+@pytest.mark.parametrize("model_type", sorted(STATE_MODELS))
+def test_state_model_matches_one_full_forward(model_type: str) -> None:
+    model = build_state_model(model_type, seed=1)
+    ref = copy.deepcopy(model)
+    engine = LLMEngine.from_hf(model, page_size=4, num_pages=512, max_num_batched_tokens=13, record_logits=True)
+    batch = prompts()
+    requests = run(engine, batch)
+    check_parity(model_type, ref, batch, requests)
+    summary = engine.summary
+    leaves = engine.manager.params.leaves()
+    state_leaves = [leaf for leaf in leaves if type(leaf).__name__ == "StateCacheParams"]
+    assert summary["state_layers"] == sum(leaf.num_layers for leaf in state_leaves) > 0
+    expected = sum(leaf.num_layers * leaf.spec.state_content_size_bytes for leaf in state_leaves)
+    assert summary["state_bytes_per_request"] == expected  # one slot per layer, no draft slots
+    assert summary["state_pages_per_request"] == len(state_leaves)
+    assert summary["preemptions"] == 0 and engine.manager.num_free_blocks() == engine.manager.total_num_pages
+
+
+@pytest.mark.parametrize("model_type", sorted(STATE_MODELS))
+def test_state_model_recomputes_its_state_after_preemption(model_type: str) -> None:
+    """A pool that admits the first two requests but not their growth: the first one's next page preempts
+    the other (recompute: its state slot is released and its state computed again from its tokens)."""
+    model = build_state_model(model_type, seed=2)
+    ref = copy.deepcopy(model)
+    leaves = kv_layout(model.config, model=model, page_size=4).params.leaves()
+    groups = [manager_for(g, leaf.kv_cache_spec) for g, leaf in enumerate(leaves)]
+    ps = leaves[0].page_size  # the attention page grows until a page holds a layer's state
+    g = torch.Generator().manual_seed(11)
+    lengths = [ps - 2, 2 * ps - 1, ps + 1, 2 * ps - 2]  # the first one fills its page after two tokens
+    batch = [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
+    single = max(
+        max(min_request_pages(groups, len(p), NEW_TOKENS), min_request_pages(groups, len(p) + NEW_TOKENS - 1, 1))
+        for p in batch
+    )
+    admitted = sum(min_request_pages(groups, n, 1) for n in lengths[:2])
+    engine = LLMEngine.from_hf(
+        model, page_size=4, num_pages=max(single, admitted), max_num_batched_tokens=4 * ps, record_logits=True
+    )
+    requests = run(engine, batch)
+    check_parity(model_type, ref, batch, requests)
+    if any(manager.state_slots == 0 for manager in groups):  # attention pages grow: someone was preempted
+        assert engine.summary["preemptions"] > 0, model_type
+
+
+def test_a_state_spec_that_does_not_match_the_model_is_refused_untouched() -> None:
+    model = build_state_model("bamba")
+    layout = kv_layout(model.config, model=model, page_size=4)
+    leaves = layout.params.leaves()
+    group, _ = layout.state_map[0]
+    bad = dataclasses.replace(leaves[group].spec, shapes=((5, 3), (4, 32, 16)))
+    children = dict(layout.params.children)
+    name = list(children)[group]
+    children[name] = StateCacheParams.from_spec(bad, leaves[group].num_layers, leaves[group].devices,
+                                                page_size=leaves[group].page_size)  # fmt: skip
+    manager = PagedKVCacheManager(MultiKVCacheParams(children), None, 64, max_batch_size=4)
+    forwards = {name: m.forward for name, m in model.named_modules()}
+    with pytest.raises(ValueError, match=r"state group \d+ \(layer 0, model.layers.0.mamba\) has state shapes"):
+        LLMEngine(model, manager, layer_map=layout.layer_map, state_map=layout.state_map)
+    with pytest.raises(ValueError, match=r"state_map has layers \[0, 1\] but the model's recurrent mixers are at"):
+        LLMEngine(
+            model, manager, layer_map=layout.layer_map, state_map={0: layout.state_map[0], 1: layout.state_map[1]}
+        )
+    assert {name: m.forward for name, m in model.named_modules()} == forwards  # nothing was wrapped
+
+
+def test_a_request_whose_state_slot_was_released_gets_a_clear_error() -> None:
+    model = build_state_model("mamba")
+    engine = LLMEngine.from_hf(model, page_size=4, num_pages=8)
+    request = engine.add_request([5, 6, 7], 2)
+    engine.step()  # prefill: the request holds its slot
+    engine.manager.release(request.ctx.request_id)
+    with pytest.raises(ValueError, match="not claimed"):
+        engine.manager.runtime_inputs([[request.ctx]])
+    assert engine.manager.num_free_blocks() == 8
