@@ -94,6 +94,26 @@ def _bench_parsers() -> dict[str, argparse.ArgumentParser]:
     return dict(kinds.choices)
 
 
+def test_state_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "state.json"
+    argv = ["bench", "state", "--hidden", "32", "--batch", "2", "--prompt", "8", "--new-tokens", "3", "--repeats", "1",
+            "--dtypes", "fp32", "--json", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    result = json.loads(path.read_text())
+    # Qwen3.5-9B's shapes: 24 GDN layers of 8192 * 3 * 2 + 32 * 128 * 128 * 4 bytes, 8 full layers of 4096 B/token;
+    # pages of 528 tokens (vLLM's figure), groups of 8 layers: 3 state pages + ceil(tokens / 528) attention pages
+    page_id_bytes = 8 * 528 * 4096
+    for row in result["memory"]:
+        assert row["attention_block"] == 528
+        assert row["hybrid_bytes"] == (3 + -(-row["tokens"] // 528)) * page_id_bytes
+        assert row["all_full_bytes"] == 32 * row["tokens"] * 4096
+        assert row["hybrid_content_bytes"] == 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4) + 8 * row["tokens"] * 4096
+    assert "| 32,768 | 1089.0 MiB | 1073.1 MiB | 4096.0 MiB | 0.266 | 528 tokens |" in out
+    (fp32,) = result["throughput"]
+    assert fp32["dtype"] == "fp32" and fp32["requests"] == 2 and fp32["engine_decode_tokens_per_second"] > 0
+
+
 def test_every_bench_command_is_registered_and_takes_json_and_plots_where_it_has_tables(tmp_path: Path) -> None:
     parsers = _bench_parsers()
     assert set(parsers) == set(BENCH_COMMANDS)

@@ -31,6 +31,7 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
     "fp8": BenchCommand("pagedkv.bench.fp8_bench", "logit error of bf16/FP8 caches against fp32 and bf16 (demo model)"),
     "engine": BenchCommand("pagedkv.bench.engine_bench", "prefill skipped and TTFT with prefix caching on vs off (demo workload)"),
     "hybrid": BenchCommand("pagedkv.bench.hybrid_bench", "KV bytes, prefix hit rate and decode cost of mixed-attention models"),
+    "state": BenchCommand("pagedkv.bench.state_bench", "KV + state bytes of a Qwen3.5-shaped hybrid; engine decode vs transformers generate"),
     "tiers": BenchCommand("pagedkv.bench.tiers_bench", "tier offload / load throughput vs the raw medium; TTFT from a warm tier"),
     "compare": BenchCommand("pagedkv.bench.compare.run", "pagedkv vs vLLM and SGLang cache managers and the Belady bound, on five workloads over a capacity sweep"),
     "soak": BenchCommand("pagedkv.bench.soak", "engine soak over every tier: RSS, leaks, tokens"),
