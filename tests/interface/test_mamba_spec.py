@@ -148,3 +148,29 @@ def test_runtime_inputs_give_each_state_group_its_slots() -> None:
     b.update(2)
     manager.step([[a, b]])
     assert manager.runtime_inputs([[a, b]]).children["group0"].inputs[0].has_initial_state.tolist() == [True, True]
+
+
+@pytest.mark.parametrize("replicated", [False, True])
+def test_each_tp_shard_holds_its_share_of_every_state(replicated: bool) -> None:
+    """TP 2: a state group's inputs per shard view that shard's pages; a slot's rows are per shard."""
+    spec = MambaSpec(block_size=4, shapes=((6, 3), (2, 4, 8)), dtypes=(torch.float32, torch.float32),
+                     tp_replicated=replicated)  # fmt: skip
+    attention = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=16, dtype=DType.float32)
+    config = get_kv_cache_config({"s": spec, "a": attention}, 1 << 20)
+    devices = [DeviceRef.CPU(), DeviceRef.CPU()]
+    manager = PagedKVCacheManager(params_from_kv_cache_config(config, devices), None, 8, max_batch_size=2)
+    from helpers import ctx
+
+    a = ctx("a", range(5))
+    manager.claim("a")
+    manager.alloc(a)
+    shards = manager.runtime_inputs([[a]]).children["group0"].inputs  # one record per TP shard
+    assert len(shards) == 2
+    rows = 6 if replicated else 3
+    heads = 2 if replicated else 1
+    for record in shards:
+        conv, ssm = record.layer_states[0]
+        assert conv.shape == (9, rows, 3) and ssm.shape == (9, heads, 4, 8)
+    slot = int(shards[0].state_slots[0, 0])
+    shards[0].layer_states[0][1][slot].fill_(5.0)
+    assert shards[1].layer_states[0][1][slot].eq(0).all()  # shards do not alias each other

@@ -10,6 +10,11 @@ a child ``group{i}`` of a `MultiKVCacheParams`, and `layer_map[i]` says which
 group and which layer slot of it layer i uses. Layers of one type whose K/V
 shapes differ (Gemma 4's full layers have a larger head) are separate groups,
 each with its own page shape over the one pool (`pagedkv.runtime.arena`).
+Recurrent mixers (`pagedkv.hf.mixers`) give state layers: each gets a `MambaSpec`
+from its mixer, the state groups (`StateCacheParams`) come after the attention
+groups, `state_map[i]` says which state group and slot layer i uses, and the
+attention page grows until a page holds a layer's state
+(`pagedkv.interface.unify_state_block_size`).
 """
 
 from __future__ import annotations
