@@ -10,6 +10,7 @@ from pagedkv.core.errors import InsufficientBlocksError, MissingPagesError
 from pagedkv.core.managers import FullAttentionManager, MambaManager, SlidingWindowManager, min_request_pages
 
 N = 12  # pool pages; the null page id is 12
+N30 = 30  # the null page id of a 30-page pool
 
 
 def coordinator(*groups, num_blocks: int = N, caching: bool = True, spec: int = 0) -> KVCacheCoordinator:
@@ -123,4 +124,64 @@ def test_integrity_catches_a_request_with_a_missing_slot() -> None:
     with pytest.raises(Exception, match="null|slots"):
         c.check_integrity()
     st.tables[0].pages[1] = page
+    c.check_integrity()
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_swap_snapshot_and_restore_rebuild_every_group(with_state: bool) -> None:
+    """Swap preemption's bookkeeping: the snapshot lists every held page (state slots included), restore
+    rebuilds each table entry for entry (dropped window entries stay null) from fresh pages, and recommit
+    puts the committed prefix back in the cache (with no state group: state models do not cache)."""
+    first = MambaManager(0, 4) if with_state else FullAttentionManager(0, 4)
+    c = coordinator(first, SlidingWindowManager(1, 4, 6), FullAttentionManager(2, 4), num_blocks=30)
+    a = ctx("a", range(14))
+    c.claim("a")
+    c.alloc(a)
+    for token in range(100, 104):
+        a.update(token)
+        c.step(a)
+        c.alloc(a)
+    c.check_integrity()
+    before = [c.get_req_blocks("a", g) for g in range(3)]
+    assert before[1][:3] == [N30] * 3 and N30 not in before[1][3:]  # the window dropped three pages
+    pages, record = c.swap_snapshot("a")
+    assert pages == [p for table in before for p in table if p != N30] and record.num_pages == len(pages)
+    assert record.committed == (0 if with_state else 4)  # 17 processed tokens: 4 full pages
+    c.release("a")
+    other = ctx("b", range(3))
+    c.claim("b")
+    c.alloc(other)  # someone else takes pages meanwhile
+    todo = c.swap_restore(a, record)
+    assert [i for i, _ in todo] == list(range(len(pages)))
+    after = [c.get_req_blocks("a", g) for g in range(3)]
+    assert [[p == N30 for p in t] for t in after] == [[p == N30 for p in t] for t in before]
+    assert len(set(p for _, p in todo)) == len(pages) and not set(p for _, p in todo) & set(c.get_req_blocks("b", 2))
+    c.swap_recommit(a, record)
+    c.check_integrity()
+    assert c.metrics.used_pages == len(pages) + 3  # b: a page in each group
+    if not with_state:
+        assert c.pool.num_cached >= 4  # the committed prefix is cached again
+    with pytest.raises(ValueError, match="is claimed"):
+        c.swap_restore(a, record)
+    a.update(7)
+    c.step(a)
+    c.alloc(a)  # the request resumes where it stopped
+    c.check_integrity()
+
+
+def test_swap_restore_is_atomic_when_the_pool_lacks_pages() -> None:
+    c = coordinator(MambaManager(0, 4), FullAttentionManager(1, 4), num_blocks=6)
+    a = ctx("a", range(12))
+    c.claim("a")
+    c.alloc(a)  # a slot + 3 pages
+    _, record = c.swap_snapshot("a")
+    c.release("a")
+    b = ctx("b", range(8))
+    c.claim("b")
+    c.alloc(b)  # a slot + 2 pages: 3 of 6 left
+    before = snapshot(c)
+    with pytest.raises(InsufficientBlocksError, match="to swap request 'a' back in") as err:
+        c.swap_restore(a, record)
+    assert (err.value.needed, err.value.available) == (4, 3)
+    assert snapshot(c) == before and not c.contains("a")
     c.check_integrity()

@@ -151,8 +151,8 @@ def render_markdown() -> str:
         "(`tests/engine/test_state_models.py`): prompts of 1 to 60 tokens cut at odd places by a 13-token "
         "budget, steps mixing prefill chunks and decodes, fp32 logits within 1e-3 of one full forward of "
         "transformers over prompt + output at every generated position, greedy tokens equal to its argmax, "
-        "and again in a pool that forces preemption (the state is recomputed). Prefix caching does not hit on "
-        "these models yet: a state slot is updated in place, so a cached prefix has no state to resume from.",
+        "and again in a pool that forces preemption (the state is recomputed, or swapped out to host rows "
+        "and back). Prefix caching does not hit on these models yet: a state slot is updated in place, so a cached prefix has no state to resume from.",
         "",
         "| model type | state layers | config of the test |",
         "|---|---|---|",

@@ -110,6 +110,35 @@ def test_state_model_recomputes_its_state_after_preemption(model_type: str) -> N
         assert engine.summary["preemptions"] > 0, model_type
 
 
+HYBRIDS = sorted(t for t in STATE_MODELS if t not in ("mamba", "mamba2"))  # models whose attention pages grow
+
+
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_state_model_swaps_its_state_out_and_back(model_type: str) -> None:
+    """Swap preemption with a host tier: the preempted request's pages, state slots included, go to host
+    rows and come back bit for bit; the tokens and logits are the same as one full forward."""
+    model = build_state_model(model_type, seed=3)
+    ref = copy.deepcopy(model)
+    leaves = kv_layout(model.config, model=model, page_size=4).params.leaves()
+    groups = [manager_for(g, leaf.kv_cache_spec) for g, leaf in enumerate(leaves)]
+    ps = leaves[0].page_size
+    g = torch.Generator().manual_seed(13)
+    lengths = [ps - 2, 2 * ps - 1, ps + 1]
+    batch = [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
+    single = max(min_request_pages(groups, len(p), NEW_TOKENS) for p in batch)
+    admitted = sum(min_request_pages(groups, n, 1) for n in lengths[:2])
+    engine = LLMEngine.from_hf(
+        model, page_size=4, num_pages=max(single, admitted), max_num_batched_tokens=4 * ps, record_logits=True,
+        kv_connector="local", host_kvcache_swap_space_gb=1, total_num_host_pages=64,
+    )  # fmt: skip
+    assert engine.preemption_mode == "swap"
+    requests = run(engine, batch)
+    check_parity(model_type, ref, batch, requests)
+    assert engine.summary["swaps"] > 0, model_type
+    assert engine.manager.get_num_used_host_pages() == 0  # every lent row came back
+    engine.manager.close()
+
+
 def test_a_state_spec_that_does_not_match_the_model_is_refused_untouched() -> None:
     model = build_state_model("bamba")
     layout = kv_layout(model.config, model=model, page_size=4)

@@ -35,6 +35,7 @@ from hostile_support import (
     params,
 )
 
+from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError, MissingPagesError
@@ -42,6 +43,12 @@ from pagedkv.core.hashing import hash_tokens
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import BatchCharacteristics
+
+REDIS = dict(
+    enable_prefix_caching=True,
+    kv_connector="redis",
+    kv_connector_config=KVConnectorConfig(redis_url="redis://127.0.0.1:1/0"),
+)  # never reached
 
 C = Case
 F = np.arange(1, 6)  # a 5-token prompt
@@ -86,8 +93,8 @@ MANAGER_ROWS: list[Case] = [
     C("PagedKVCacheManager", f"{MISMATCH}: host pages without a tier", "total_num_host_pages=4, no kv_connector",
       construct(lambda: PagedKVCacheManager(params(), None, 8, 4, max_batch_size=4)), ValueError,
       "total_num_host_pages=4 needs a local, tiered or redis kv_connector"),
-    C("PagedKVCacheManager", f"{MISMATCH}: tier for a hybrid model", 'window + full caches with kv_connector="local"',
-      construct(lambda: PagedKVCacheManager(MultiKVCacheParams({"f": params(**LOCAL), "w": params(sliding_window=8, **LOCAL)}), None,
+    C("PagedKVCacheManager", f"{MISMATCH}: tier for a hybrid model", 'window + full caches with kv_connector="redis"',
+      construct(lambda: PagedKVCacheManager(MultiKVCacheParams({"f": params(**REDIS), "w": params(sliding_window=8, **REDIS)}), None,
                                             16, max_batch_size=2)), ValueError,
       "tiers below the device do not support hybrid"),
     # --- .claim

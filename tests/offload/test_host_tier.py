@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import ctx, make_params, serve
+from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.multi_params import MultiKVCacheParams
@@ -115,14 +116,27 @@ def test_manager_reloads_evicted_prefix_from_host() -> None:
     mgr.close()
 
 
-def test_connector_needs_caching_and_refuses_hybrid() -> None:
+def test_connector_needs_caching_and_gives_hybrid_models_swap_rows_only() -> None:
     with pytest.raises(ValueError, match="kv_connector=local requires prefix caching to be enabled"):
         make_params(kv_connector="local", host_kvcache_swap_space_gb=1)
-    hybrid = MultiKVCacheParams({
-        "full": make_params(**LOCAL), "window": make_params(**LOCAL, sliding_window=8)
-    })  # fmt: skip
-    with pytest.raises(ValueError, match="do not support hybrid"):
+    config = KVConnectorConfig(redis_url="redis://127.0.0.1:1/0")
+    redis = dict(enable_prefix_caching=True, kv_connector="redis", kv_connector_config=config)
+    hybrid = MultiKVCacheParams({"full": make_params(**redis), "window": make_params(**redis, sliding_window=8)})
+    with pytest.raises(ValueError, match="do not support hybrid .* kv_connector=local gives them host rows"):
         PagedKVCacheManager(hybrid, None, 8, max_batch_size=1)
+    local = MultiKVCacheParams({"full": make_params(**LOCAL), "window": make_params(**LOCAL, sliding_window=8)})
+    mgr = PagedKVCacheManager(local, None, 16, 8, max_batch_size=1)
+    assert mgr.can_swap and mgr.total_num_host_pages == 8
+    a = ctx("a", range(20))
+    mgr.claim("a")
+    mgr.alloc(a)
+    mgr.runtime_inputs([[a]])
+    a.update(1)
+    mgr.step([[a]])  # committed pages stay on the device: a hybrid model's pages do not go down by hash
+    mgr.sync_tiers()
+    assert mgr.get_num_used_host_pages() == 0
+    mgr.release("a")
+    mgr.close()
 
 
 def test_host_pages_from_swap_space() -> None:

@@ -39,7 +39,7 @@ from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.errors import require as _require
 from pagedkv.core.events import BlockHooks
 from pagedkv.core.hashing import BlockHash, PrefixHasher
-from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, find_hit, release_order
+from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, SwappedGroups, find_hit, release_order
 from pagedkv.core.managers import GroupManager
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.tables import (
@@ -372,6 +372,60 @@ class KVCacheCoordinator:
                         st.shared = max(st.shared, i + 1)
                         table.pages[i] = used
         st.committed = n_commit
+
+    # ----------------------------------------------------------------- swap preemption
+    # As `BlockManager`'s: the caller copies the pages out, releases, and later restores, copies the
+    # bytes back into the fresh pages and recommits. The context is never reset: the request resumes
+    # where it stopped (state slots included: their bytes travel like any page).
+    def swap_snapshot(self, request_id: RequestID) -> tuple[list[int], SwappedGroups]:
+        """Every page the request holds (group by group, table order) and its `SwappedGroups`. No side effects."""
+        st = self._claimed(request_id)
+        null = self.pool.null_block
+        tables = [t.pages[: t.num_pages].tolist() for t in st.tables]
+        record = SwappedGroups(
+            tuple(tuple(p != null for p in table) for table in tables), tuple(st.dropped), st.committed, st.shared,
+            tuple(st.hashes), st.digest,
+        )  # fmt: skip
+        return [p for table in tables for p in table if p != null], record
+
+    def swap_restore(self, ctx: TextContext, record: SwappedGroups) -> list[tuple[int, int]]:
+        """Claim ``ctx.request_id`` again with tables shaped as before the swap, every live entry a
+        fresh page. Returns ``(index in the snapshot's page list, page)`` for every page: the caller
+        copies the swapped bytes into them before the next forward, then calls `swap_recommit`. Raises
+        `InsufficientBlocksError` / `ValueError` and changes nothing when the pool lacks pages or the
+        request is claimed."""
+        if ctx.request_id in self._reqs:
+            raise ValueError(
+                f"request {ctx.request_id!r} is claimed; only a released (swapped-out) request is restored"
+            )
+        if len(record.live) != len(self.groups):
+            raise ValueError(f"record has {len(record.live)} groups, this coordinator {len(self.groups)}")
+        pool, need = self.pool, record.num_pages
+        available = pool.num_free - pool.num_protected
+        if need > available:
+            raise InsufficientBlocksError(
+                f"Cannot get {need} free blocks to swap request {ctx.request_id!r} back in (only {available} "
+                f"available; {pool.num_used}/{pool.num_blocks} blocks currently in use)",
+                needed=need,
+                available=available,
+            )
+        fresh = pool.allocate(need) if need else []
+        st = HybridRequest([RequestPages() for _ in self.groups], list(record.dropped))
+        taken = iter(fresh)
+        for table, live in zip(st.tables, record.live, strict=True):
+            if live:
+                table.append([next(taken) if alive else pool.null_block for alive in live])
+        st.hashes, st.digest, st.shared = list(record.hashes), record.digest, record.shared
+        self._reqs[ctx.request_id] = st
+        self._refresh(st)
+        return list(enumerate(fresh))
+
+    def swap_recommit(self, ctx: TextContext, record: SwappedGroups) -> None:
+        """Commit the restored pages that were committed before the swap (after their bytes are back);
+        a page whose hash another copy now caches is merged into it."""
+        st = self._claimed(ctx.request_id)
+        if self.enable_prefix_caching and record.committed > st.committed:
+            self._commit_groups(st, ctx, record.committed)
 
     # ----------------------------------------------------------------- queries
     def get_req_blocks(self, request_id: object, group: int = 0) -> list[int]:

@@ -10,7 +10,7 @@ from pagedkv.core.hashing import BlockHash
 from pagedkv.core.managers import GroupManager
 from pagedkv.core.tables import RequestPages
 
-__all__ = ["FAR", "HybridRequest", "Plan", "find_hit", "prefix_misses", "release_order"]
+__all__ = ["FAR", "HybridRequest", "Plan", "SwappedGroups", "find_hit", "prefix_misses", "release_order"]
 
 FAR = 1 << 62  # a token position no request reaches
 
@@ -34,6 +34,25 @@ class HybridRequest:
     def num_pages(self) -> int:
         """Logical pages of the longest decoder table."""
         return max((t.num_pages for t in self.tables), default=0)
+
+
+@dataclass(frozen=True)
+class SwappedGroups:
+    """A swapped-out hybrid request's tables, enough to rebuild them entry for entry
+    (`KVCacheCoordinator.swap_restore`): per group, which entries held a page (the others were
+    dropped out of a window: the null page), and the request's progress through the prefix cache."""
+
+    live: tuple[tuple[bool, ...], ...]  # per group, per table entry: a page (True) or the null page
+    dropped: tuple[int, ...]
+    committed: int  # leading logical pages that were in the prefix cache (recommitted after the copy)
+    shared: int
+    hashes: tuple[BlockHash, ...]
+    digest: bytes
+
+    @property
+    def num_pages(self) -> int:
+        """Pages the request held (and takes back): every live entry of every group."""
+        return sum(sum(entries) for entries in self.live)
 
 
 @dataclass(frozen=True, eq=False)

@@ -7,7 +7,8 @@
 
 A swapped-out request is not claimed on the device; `release` of it gives
 its host rows back. The bookkeeping half (which pages, which table to
-rebuild) is `BlockManager.swap_snapshot` / `swap_restore` / `swap_recommit`;
+rebuild) is `BlockManager.swap_snapshot` / `swap_restore` / `swap_recommit` (and the
+`KVCacheCoordinator`'s of the same names for hybrid models, state slots included);
 the bytes move through each replica's `SwapSpace` (host rows lent out of the
 host tier).
 """
@@ -16,8 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.context import RequestID, TextContext
+from pagedkv.core.hybrid_state import SwappedGroups
 from pagedkv.core.tables import SwappedPages
 from pagedkv.manager.hybrid import ReplicaBookkeeping
 from pagedkv.manager.tiering import Tiering
@@ -33,7 +34,7 @@ class SwappedRequests:
 
     def __init__(self, tiers: Tiering) -> None:
         self.tiers = tiers
-        self._entries: dict[tuple[int, RequestID], tuple[SwappedPages, list[int]]] = {}
+        self._entries: dict[tuple[int, RequestID], tuple[SwappedPages | SwappedGroups, list[int]]] = {}
 
     def __contains__(self, key: object) -> bool:
         """``(replica_idx, request_id) in swaps``: the request is swapped out on that replica."""
@@ -61,7 +62,7 @@ class SwappedRequests:
         """Copy every page of the claimed `request_id` to host rows and release it from `bm`; False,
         changing nothing, without a host tier or when the tier cannot lend enough rows."""
         space = self._space(replica_idx)
-        if space is None or not isinstance(bm, BlockManager):  # (hybrid models have no tiers)
+        if space is None:
             bm.check_claimed(request_id)
             return False
         pages, record = bm.swap_snapshot(request_id)
@@ -83,13 +84,12 @@ class SwappedRequests:
         if space is None:
             raise ValueError(f"request {ctx.request_id!r} cannot swap in: the tiers are closed")
         record, slots = entry
-        assert isinstance(bm, BlockManager)  # (only single-group replicas swap out)
-        todo = bm.swap_restore(ctx, record)
+        todo = bm.swap_restore(ctx, record)  # type: ignore[arg-type]  # (each replica restores its own record)
         del self._entries[(replica_idx, ctx.request_id)]
         copied = {i for i, _ in todo}
         space.swap_in([slots[i] for i, _ in todo], [page for _, page in todo])
         space.drop([slot for i, slot in enumerate(slots) if i not in copied])  # device-cached pages
-        bm.swap_recommit(ctx, record)
+        bm.swap_recommit(ctx, record)  # type: ignore[arg-type]
 
     def drop(self, request_id: RequestID, replica_idx: int) -> bool:
         """Give back the host rows of a swapped-out request being released; False if not swapped."""

@@ -5,7 +5,9 @@ It hooks each replica's `BlockManager` (`hooks.loader` = the connector's
 at the points of the per-step order of Modular MAX's KV connector:
 `before_forward` (run the device copies `load` staged during `alloc`, then
 start offloads) from `runtime_inputs`, `before_step` (wait for offloads)
-and `after_step` (publish events) around `step`.
+and `after_step` (publish events) around `step`. A hybrid model (a
+`KVCacheCoordinator`) gets host rows for swap preemption only, with
+``kv_connector="local"``: none of its pages goes down the tiers by hash.
 
 `alloc` does no tensor work: a page found below is committed as a hit at
 once, but its bytes reach the device page only at `complete_loads`, which
@@ -51,9 +53,11 @@ class Tiering:
         kind = params.kv_connector
         if kind in (None, KVConnectorType.null):
             return
-        if any(isinstance(bm, KVCacheCoordinator) for bm in managers):
+        hybrid = any(isinstance(bm, KVCacheCoordinator) for bm in managers)
+        if hybrid and kind is not KVConnectorType.local:
             raise ValueError(f"kv_connector={kind.value}: tiers below the device do not support hybrid "
-                             "(several KV cache groups) models yet")  # fmt: skip
+                             "(several KV cache groups) models yet; kv_connector=local gives them host "
+                             "rows for swap preemption")  # fmt: skip
         if not host_pages and kind in (KVConnectorType.local, KVConnectorType.tiered):
             host_pages = compute_num_host_blocks(params)
         elif not host_pages and params.host_kvcache_swap_space_gb is not None:
@@ -62,9 +66,10 @@ class Tiering:
 
         for bm, buffer, queue in zip(managers, buffers, self.queues, strict=True):
             connector = create_connector(params, buffer, host_pages, emit=queue.emit)
-            bm.hooks.loader = connector.load  # stages only; `complete_loads` copies
-            bm.hooks.offloads = []
-            connector.on_failed_loads = self._forget_unloaded(bm)
+            if not hybrid:  # a hybrid model's host rows serve swap preemption only: no page goes down by hash
+                bm.hooks.loader = connector.load  # stages only; `complete_loads` copies
+                bm.hooks.offloads = []
+                connector.on_failed_loads = self._forget_unloaded(bm)
             self.connectors.append(connector)
         if host_pages:
             from pagedkv.offload.swap_space import SwapSpace
