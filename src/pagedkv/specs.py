@@ -410,10 +410,14 @@ class MambaSpec(KVCacheSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.shapes, tuple | list) or not all(isinstance(s, tuple | list) for s in self.shapes):
+            raise TypeError(f"shapes={self.shapes!r} must be a tuple of shapes (tuples of ints), one per state tensor")
         shapes = tuple(tuple(shape) for shape in self.shapes)
         if not shapes or any(not s or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in s)
                              for s in shapes):  # fmt: skip
             raise ValueError(f"shapes={self.shapes!r} must be a non-empty tuple of shapes of positive ints")
+        if not isinstance(self.dtypes, tuple | list):
+            raise TypeError(f"dtypes={self.dtypes!r} must be a tuple of dtypes, one per state tensor")
         dtypes = tuple(d if isinstance(d, DType) else _to_dtype(d) for d in self.dtypes)
         if len(dtypes) != len(shapes):
             raise ValueError(f"dtypes has {len(dtypes)} entries but shapes has {len(shapes)}: one dtype per state")
@@ -427,8 +431,14 @@ class MambaSpec(KVCacheSpec):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an int >= 0")
-        if not isinstance(self.num_heads, int) or self.num_heads < 1:
-            raise ValueError(f"num_heads={self.num_heads!r} must be an int >= 1")
+        for name in ("num_heads", "page_size_padded", "prefill_checkpoint_alignment"):
+            value = getattr(self, name)
+            if value is None and name != "num_heads":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if not isinstance(self.tp_replicated, bool):
+            raise TypeError(f"tp_replicated={self.tp_replicated!r} must be a bool")
         if self.tokens_per_state != -1:
             raise ValueError(f"tokens_per_state={self.tokens_per_state!r} must be -1 for a recurrent state")
         if self.page_size_padded is not None and self.page_size_padded < self.state_content_size_bytes:
@@ -481,6 +491,25 @@ class MambaSpec(KVCacheSpec):
         if bad:
             raise ValueError(f"state shapes {bad} do not split over tensor_parallel_degree={tp} (dim 0 % {tp} != 0)")
         return tuple((s[0] // tp, *s[1:]) for s in self.shapes)
+
+    def shard_layout(self, tp: int = 1) -> list[tuple[int, tuple[int, ...], DType]]:
+        """(byte offset, shape, dtype) of each state tensor of one layer on one of `tp` shards, packed in
+        order, each offset a multiple of its dtype's size (so a byte buffer views as every tensor)."""
+        out, offset = [], 0
+        for shape, dtype in zip(self.shard(tp), self.dtypes, strict=True):
+            size = dtype.size_in_bytes
+            offset = -(-offset // size) * size
+            out.append((offset, shape, dtype))
+            offset += math.prod(shape) * size
+        return out
+
+    def shard_bytes(self, tp: int = 1) -> int:
+        """Bytes of one layer's state on one of `tp` shards as `shard_layout` packs it, rounded up to the
+        largest dtype size (so layers pack back to back): the content plus a few alignment bytes."""
+        offset, shape, dtype = self.shard_layout(tp)[-1]
+        end = offset + math.prod(shape) * dtype.size_in_bytes
+        widest = max(d.size_in_bytes for d in self.dtypes)
+        return -(-end // widest) * widest
 
     @classmethod
     def merge(cls: type[S], specs: list[S]) -> S:

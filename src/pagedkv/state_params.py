@@ -6,7 +6,7 @@ prefix-caching settings (the fields `MultiKVCacheParams` checks), and a page
 id it owns holds one request's state of every layer of the group instead of
 `page_size` tokens. Per device, a page is laid out as::
 
-    [ layer 0: state 0 | state 1 | ... | layer 1: ... ]   (each tensor 16-byte aligned)
+    [ layer 0: state 0 | state 1 | ... | layer 1: ... ]   (each tensor aligned to its dtype's size)
 
 with state i of shape ``state_spec.shard(tp)[i]`` in ``state_spec.dtypes[i]``. The attention fields of
 `KVCacheParams` (`dtype`, `n_kv_heads`, `head_dim`) are fixed: uint8 pages of one "head".
@@ -15,7 +15,6 @@ with state i of shape ``state_spec.shard(tp)[i]`` in ``state_spec.dtypes[i]``. T
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,17 +22,12 @@ from typing import TYPE_CHECKING, Any
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.params import KVCacheParams
 from pagedkv.specs import MambaSpec
+from pagedkv.symbols import KVCacheInputSymbols, state_symbols
 
 if TYPE_CHECKING:  # pragma: no cover
     from pagedkv.runtime.state_buffers import StateCacheBuffer
 
-__all__ = ["StateCacheParams", "ALIGN"]
-
-ALIGN = 16  # bytes: every state tensor of a page starts at a multiple of this
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+__all__ = ["StateCacheParams"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +57,9 @@ class StateCacheParams(KVCacheParams):
             raise TypeError(f"state_spec={self.state_spec!r} must be a MambaSpec")
         if self.is_mla or self.is_cross_attention or self.sliding_window or self.attention_chunk_size:
             raise ValueError("a state group has no attention fields (is_mla, is_cross_attention, windows, chunks)")
+        if self.state_spec.mamba_cache_mode != "none":
+            raise ValueError(f"state_spec.mamba_cache_mode={self.state_spec.mamba_cache_mode!r}: pagedkv keeps one "
+                             "live state per request ('none'); vLLM's 'align' checkpoints are not served")  # fmt: skip
         if self.kvcache_quant_config is not None:
             raise ValueError("a state group is not FP8-quantized (kvcache_quant_config must be None)")
         super().__post_init__()
@@ -90,18 +87,14 @@ class StateCacheParams(KVCacheParams):
         return self.spec.tp_replicated and self.tensor_parallel_degree > 1
 
     def state_layout(self) -> list[tuple[int, tuple[int, ...], DType]]:
-        """(byte offset within a layer's share of the page, shard shape, dtype) of each state tensor."""
-        out, offset = [], 0
-        for shape, dtype in zip(self.spec.shard(self.tensor_parallel_degree), self.spec.dtypes, strict=True):
-            out.append((offset, shape, dtype))
-            offset = _aligned(offset + math.prod(shape) * dtype.size_in_bytes)
-        return out
+        """(byte offset within a layer's share of the page, shard shape, dtype) of each state tensor
+        (`MambaSpec.shard_layout` at this tensor parallel degree)."""
+        return self.spec.shard_layout(self.tensor_parallel_degree)
 
     @property
     def layer_bytes_per_device(self) -> int:
-        """Bytes one layer's state takes in a page on one device (tensors 16-byte aligned)."""
-        offset, shape, dtype = self.state_layout()[-1]
-        return _aligned(offset + math.prod(shape) * dtype.size_in_bytes)
+        """Bytes one layer's state takes in a page on one device (`MambaSpec.shard_bytes`)."""
+        return self.spec.shard_bytes(self.tensor_parallel_degree)
 
     @property
     def shape_per_block(self) -> list[int]:
@@ -112,6 +105,10 @@ class StateCacheParams(KVCacheParams):
     def bytes_per_request(self) -> int:
         """State bytes one running request holds over a replica's TP group (slots x page bytes)."""
         return self.spec.slots_per_request * self.bytes_per_block
+
+    def get_symbolic_inputs(self, prefix: str = "") -> KVCacheInputSymbols:
+        """Symbolic per-device inputs in the order of `runtime_inputs`' `StateCacheInputs`, replica-major."""
+        return state_symbols(self, prefix)
 
     def allocate_buffers(self, total_num_pages: int) -> list[StateCacheBuffer]:  # type: ignore[override]
         """Zeroed state pages, one `pagedkv.runtime.state_buffers.StateCacheBuffer` per replica."""

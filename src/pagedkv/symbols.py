@@ -22,7 +22,9 @@ __all__ = [
     "RaggedKVCacheInputSymbols",
     "PaddedKVCacheInputSymbols",
     "MultiKVCacheInputSymbols",
+    "StateCacheInputSymbols",
     "ragged_symbols",
+    "state_symbols",
 ]
 
 Dim = int | str
@@ -56,6 +58,16 @@ class RaggedKVCacheInputSymbols(RecordMixin, KVCacheInputSymbols):
     lookup_table: TensorSpec
     max_lengths: TensorSpec
     kv_scales: TensorSpec | None = None
+
+
+@dataclass(eq=False)
+class StateCacheInputSymbols(RecordMixin, KVCacheInputSymbols):
+    """Symbols of one device's `StateCacheInputs` (a state group)."""
+
+    blocks: TensorSpec
+    cache_lengths: TensorSpec
+    state_slots: TensorSpec
+    has_initial_state: TensorSpec
 
 
 @dataclass(eq=False)
@@ -95,6 +107,28 @@ def ragged_symbols(params: Any, prefix: str = "") -> KVCacheInputSymbols:
                     lookup_table=TensorSpec(f"{tag}lookup_table", DType.int32, (batch, pages), device),
                     max_lengths=TensorSpec(f"{tag}max_lengths", DType.int32, ("num_steps", 2), DeviceRef.CPU()),
                     kv_scales=scales,
+                )
+            )
+    return KVCacheInputSymbols(records)
+
+
+def state_symbols(params: Any, prefix: str = "") -> KVCacheInputSymbols:
+    """The symbolic per-device inputs of a `StateCacheParams` group, in the order of its `StateCacheInputs`:
+    uint8 pages, cache lengths [B], slots [B, 1 + drafts] and has_initial_state bool [B]."""
+    records: list[KVCacheInputSymbols] = []
+    slots = params.state_spec.slots_per_request
+    for r, devices in enumerate(params.devices_per_replica):
+        batch = f"replica_{r}_batch_size"
+        for s, device in enumerate(devices):
+            tag = f"{prefix}r{r}_s{s}_"
+            records.append(
+                StateCacheInputSymbols(
+                    blocks=TensorSpec(
+                        f"{tag}state_blocks", DType.uint8, ("total_num_pages", *params.shape_per_block), device
+                    ),  # fmt: skip
+                    cache_lengths=TensorSpec(f"{tag}cache_lengths", DType.int32, (batch,), device),
+                    state_slots=TensorSpec(f"{tag}state_slots", DType.int32, (batch, slots), device),
+                    has_initial_state=TensorSpec(f"{tag}has_initial_state", DType.bool, (batch,), device),
                 )
             )
     return KVCacheInputSymbols(records)

@@ -8,6 +8,7 @@ from helpers import ctx, snapshot
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.errors import InsufficientBlocksError, MissingPagesError
 from pagedkv.core.managers import FullAttentionManager, MambaManager, SlidingWindowManager, min_request_pages
+from pagedkv.core.tables import lut_columns
 
 N = 12  # pool pages; the null page id is 12
 N30 = 30  # the null page id of a 30-page pool
@@ -184,4 +185,29 @@ def test_swap_restore_is_atomic_when_the_pool_lacks_pages() -> None:
         c.swap_restore(a, record)
     assert (err.value.needed, err.value.available) == (4, 3)
     assert snapshot(c) == before and not c.contains("a")
+    c.check_integrity()
+
+
+def test_draft_slots_do_not_count_against_max_cache_length() -> None:
+    c = coordinator(MambaManager(0, 4, slots=3), FullAttentionManager(1, 4), spec=2)
+    a = ctx("a", range(5))
+    c.claim("a")
+    c.alloc(a)
+    tables = c.build_group_tables([a], max_cache_length=8)  # 5 tokens + 2 drafts: 2 pages of 4
+    assert tables[0].lookup_table[0, :3].tolist() == c.get_req_blocks("a", 0)
+    assert tables[1].lookup_table.shape[1] == lut_columns(2)
+
+
+def test_integrity_catches_pages_held_without_their_slots() -> None:
+    c = coordinator(MambaManager(0, 4), FullAttentionManager(1, 4))
+    a = ctx("a", range(4))
+    c.claim("a")
+    c.alloc(a)
+    st = c._reqs["a"]
+    slot = st.tables[0].pages[:1].tolist()
+    st.tables[0].num_pages = 0  # corrupt: the slot forgotten while the attention page is held
+    with pytest.raises(Exception, match="holds pages but 0 of its 1 state slots"):
+        c.check_integrity()
+    st.tables[0].num_pages = 1
+    assert st.tables[0].pages[:1].tolist() == slot
     c.check_integrity()

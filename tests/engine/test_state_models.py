@@ -18,6 +18,7 @@ import pytest
 import torch
 from state_models import STATE_MODELS, build_state_model
 
+from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.managers import manager_for, min_request_pages
 from pagedkv.engine import LLMEngine
 from pagedkv.engine.request import Request
@@ -169,3 +170,71 @@ def test_a_request_whose_state_slot_was_released_gets_a_clear_error() -> None:
     with pytest.raises(ValueError, match="not claimed"):
         engine.manager.runtime_inputs([[request.ctx]])
     assert engine.manager.num_free_blocks() == 8
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "qwen3_5_text"])
+def test_a_step_that_fails_midway_is_recomputed_not_replayed_on_moved_states(model_type: str) -> None:
+    """A forward that raises after some layers updated their slots in place: the engine releases and
+    recomputes every request, so retrying gives the tokens and logits of a run that never failed."""
+    model = build_state_model(model_type, seed=4)
+    ref = copy.deepcopy(model)
+    engine = LLMEngine.from_hf(model, page_size=4, num_pages=64, record_logits=True)
+    batch = prompts(seed=5)[2:5]
+    requests = [engine.add_request(p, NEW_TOKENS, stop_token_ids=[]) for p in batch]
+    engine.step()
+    engine.step()
+    layers = model.backbone.layers if model_type == "mamba" else model.model.layers
+    failing = {"left": 1}
+
+    def fail_once(module: torch.nn.Module, args: object, output: object) -> None:
+        if failing["left"]:
+            failing["left"] -= 1
+            raise RuntimeError("device lost")
+
+    handle = layers[-1].register_forward_hook(fail_once)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()  # every layer but the last has moved its states on by one token
+    handle.remove()
+    assert not engine.scheduler.running and all(r.ctx.tokens.processed_length == 0 for r in requests)
+    assert engine.manager.num_free_blocks() == engine.manager.total_num_pages  # every slot released
+    engine.run()
+    check_parity(model_type, ref, batch, requests)
+
+
+def test_a_memory_budget_buys_arena_rows_and_leaves_room_for_the_slots() -> None:
+    """A hybrid model's groups alias one arena row per page id: a budget buys budget // row pages (not
+    budget // the sum of every group's page); a sequence cap counts each request's state slots."""
+    model = build_state_model("qwen3_5_text")
+    params = kv_layout(model.config, model=model, page_size=4).params
+    row = max(leaf.bytes_per_block_per_device for leaf in params.leaves())
+    engine = LLMEngine.from_hf(model, page_size=4, memory_budget=100 * row + 5)
+    assert engine.manager.total_num_pages == 100
+    (arena,) = engine.manager.get_device_buffer(0).to_memory()  # one TP shard: one arena
+    assert arena.buffer.shape == (101, row)  # 100 pages + the null page, each one row
+    slots = len(params.leaves()) - 1  # three state groups, one attention group
+    manager = PagedKVCacheManager.from_memory_budget(params, 1 << 30, max_batch_size=2, max_seq_len=16)
+    pages_per_seq = -(-16 // params.page_size) + slots
+    assert manager.total_num_pages == 2 * pages_per_seq
+    with pytest.raises(InsufficientBlocksError, match=f"one page of {params.page_size} tokens takes {row} bytes"):
+        LLMEngine.from_hf(build_state_model("qwen3_5_text"), page_size=4, memory_budget=row - 1)
+
+
+def test_a_copy_of_a_served_model_runs_its_own_mixers() -> None:
+    """The mixers' forwards are bound to their modules: a deep copy calls the copy's mixers, inside an
+    engine step and outside one."""
+    model = build_state_model("mamba")
+    LLMEngine.from_hf(model, page_size=4, num_pages=8)
+    twin = copy.deepcopy(model)
+    mixers = [m for m in twin.modules() if type(m).__name__ == "MambaMixer"]
+    assert mixers and all(m.forward.__self__ is m for m in mixers)
+    with torch.no_grad():
+        for mixer in mixers:
+            mixer.out_proj.weight.zero_()  # the copy's mixers add nothing to the residual stream
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():
+        plain = twin.backbone.embeddings(ids)
+        for layer in twin.backbone.layers:
+            assert torch.equal(layer.mixer(layer.norm(plain)), torch.zeros_like(plain))
+    engine = LLMEngine.from_hf(twin, page_size=4, num_pages=8, record_logits=True)
+    (request,) = run(engine, [[5, 6, 7, 8]])
+    assert torch.allclose(torch.stack(request.logits), reference(twin, [5, 6, 7, 8], request.output), atol=1e-5)

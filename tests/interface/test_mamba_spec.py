@@ -109,8 +109,11 @@ def test_state_pages_are_sharded_over_tp_unless_replicated() -> None:
     spec = MambaSpec(block_size=16, shapes=((24, 3), (4, 8, 16)), dtypes=(torch.bfloat16, torch.float32))
     devices = [DeviceRef.CPU(), DeviceRef.CPU()]
     sharded = StateCacheParams.from_spec(spec, 2, devices)
-    assert sharded.state_layout() == [(0, (12, 3), DType.bfloat16), (80, (2, 8, 16), DType.float32)]
-    assert sharded.layer_bytes_per_device == 80 + 2 * 8 * 16 * 4
+    assert sharded.state_layout() == [(0, (12, 3), DType.bfloat16), (72, (2, 8, 16), DType.float32)]
+    assert sharded.layer_bytes_per_device == 72 + 2 * 8 * 16 * 4
+    odd = MambaSpec(block_size=16, shapes=((3, 3), (2,)), dtypes=(torch.bfloat16, torch.float32))
+    assert odd.shard_layout() == [(0, (3, 3), DType.bfloat16), (20, (2,), DType.float32)]  # 18 bytes, then 4-aligned
+    assert odd.shard_bytes() == 28 and odd.state_content_size_bytes == 26
     assert sharded.bytes_per_block == 2 * 2 * sharded.layer_bytes_per_device
     replicated = StateCacheParams.from_spec(MambaSpec(**{**spec.__dict__, "tp_replicated": True}), 2, devices)
     assert replicated.state_layout()[1][1] == (4, 8, 16) and replicated.replicates_kv_across_tp
@@ -174,3 +177,48 @@ def test_each_tp_shard_holds_its_share_of_every_state(replicated: bool) -> None:
     slot = int(shards[0].state_slots[0, 0])
     shards[0].layer_states[0][1][slot].fill_(5.0)
     assert shards[1].layer_states[0][1][slot].eq(0).all()  # shards do not alias each other
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(shapes=(3, 4), dtypes=(torch.float32,)), TypeError, r"shapes=\(3, 4\) must be a tuple of shapes"),
+        (dict(dtypes=torch.float32), TypeError, "dtypes=torch.float32 must be a tuple"),
+        (dict(page_size_padded=GDN_BYTES + 0.5), ValueError, "page_size_padded=.* must be an int"),
+        (dict(num_heads=True), ValueError, "num_heads=True must be an int"),
+        (dict(prefill_checkpoint_alignment=-3), ValueError, "prefill_checkpoint_alignment=-3"),
+        (dict(tp_replicated=1), TypeError, "tp_replicated=1 must be a bool"),
+    ],
+)
+def test_wrong_types_are_refused_by_name(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        gdn(**kwargs)
+
+
+def test_symbolic_inputs_describe_the_state_inputs_runtime_inputs_gives() -> None:
+    spec = MambaSpec(block_size=4, shapes=((6, 3), (2, 4, 8)), dtypes=(torch.float32, torch.float32),
+                     num_speculative_blocks=1)  # fmt: skip
+    attention = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=16, dtype=DType.float32)
+    config = get_kv_cache_config({"s": spec, "a": attention}, 1 << 20)
+    params = params_from_kv_cache_config(config, [DeviceRef.CPU()], num_eagle_speculative_tokens=1)
+    manager = PagedKVCacheManager(params, None, 8, max_batch_size=2)
+    from helpers import ctx
+
+    a = ctx("a", range(5))
+    manager.claim("a")
+    manager.alloc(a)
+    tensors = manager.runtime_inputs([[a]]).flatten()
+    symbols = params.get_symbolic_inputs().flatten()
+    assert len(tensors) == len(symbols)
+    for tensor, symbol in zip(tensors, symbols, strict=True):
+        assert tensor.dtype == symbol.dtype.to_torch(), symbol.name
+        assert all(d is None or d == n for d, n in zip(symbol.static_dims, tensor.shape, strict=True)), symbol.name
+    assert [s.name for s in symbols[:4]] == [
+        "group0.r0_s0_state_blocks", "group0.r0_s0_cache_lengths", "group0.r0_s0_state_slots",
+        "group0.r0_s0_has_initial_state",
+    ]  # fmt: skip
+
+
+def test_a_state_group_serves_one_live_state_per_request_not_vllms_align_mode() -> None:
+    with pytest.raises(ValueError, match="mamba_cache_mode='align': pagedkv keeps one live state per request"):
+        StateCacheParams.from_spec(gdn(mamba_cache_mode="align"), 1, [DeviceRef.CPU()])

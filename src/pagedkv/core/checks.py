@@ -70,6 +70,10 @@ def check_hybrid_tables(
     pins: Counter[int] = Counter()
     for rid, st in reqs.items():
         pins.update(p for p, s in st.pinned if stamp(p) == s)
+        holds_tokens = any(t.num_pages for gm, t in zip(groups, st.tables, strict=True) if not gm.state_slots)
+        for gm, table in zip(groups, st.tables, strict=True):  # allocated together: no pages without slots
+            _require(not (gm.state_slots and holds_tokens and table.num_pages != gm.state_slots),
+                     f"{rid!r} holds pages but {table.num_pages} of its {gm.state_slots} state slots in group {gm.group}")  # fmt: skip
         _require(st.committed <= len(st.hashes) or not caching,
                  f"request {rid!r}: committed={st.committed} exceeds its hashes")  # fmt: skip
         for g, (gm, table) in enumerate(zip(groups, st.tables, strict=True)):

@@ -461,7 +461,8 @@ class KVCacheCoordinator:
                 rows.append((ctx.request_id, st.tables[g], 0 if st.dummy else pages))
                 lengths.append(cached)
                 ends.append(end)
-            tables = assemble_tables(rows, lengths, ends, ps, self.pool.null_block, max_cache_length)
+            cap = None if gm.state_slots else max_cache_length  # (a state table's width is its slots)
+            tables = assemble_tables(rows, lengths, ends, ps, self.pool.null_block, cap)
             if gm.reads_encoder:  # the queries are the decoder's: its longest active window
                 queries = max((c.tokens.current_position - c.tokens.processed_length for c in batch), default=0)
                 tables = dataclasses.replace(tables, max_prompt_length=queries)

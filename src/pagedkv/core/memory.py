@@ -5,7 +5,9 @@
 
 `bytes_per_block` covers one page over a replica's whole TP group (FP8
 scales included; MLA counts every replicated copy), so the budget is the sum
-over all devices.
+over all devices. A hybrid tree's groups alias one arena row per page id
+(`pool_page_bytes`: the largest group's page, not the sum), and each
+sequence also holds its state slots.
 """
 
 from __future__ import annotations
@@ -14,11 +16,16 @@ import logging
 import math
 
 from pagedkv.core.errors import InsufficientBlocksError
+from pagedkv.core.managers import FullAttentionManager, MLAAttentionManager, manager_for
 from pagedkv.multi_params import KVCacheParamInterface
 from pagedkv.params import KVConnectorType
 from pagedkv.validation import check_int
 
 __all__ = [
+    "ROW_ALIGN",
+    "pool_page_bytes",
+    "is_hybrid",
+    "state_slots_per_request",
     "compute_num_device_blocks",
     "compute_num_host_blocks",
     "estimated_memory_size",
@@ -28,6 +35,34 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 GiB = 1024**3
+
+
+ROW_ALIGN = 8  # bytes: a hybrid arena row is a multiple of this, so every dtype view of a row starts aligned
+
+
+def is_hybrid(params: KVCacheParamInterface) -> bool:
+    """True when some cache keeps fewer than all tokens, is cross-attention or holds recurrent state (its
+    spec's manager is not plain full attention): its groups then alias one arena row per page id."""
+    return any(type(manager_for(0, leaf.kv_cache_spec)) not in _FULL for leaf in params.leaves())
+
+
+_FULL = (FullAttentionManager, MLAAttentionManager)
+
+
+def pool_page_bytes(params: KVCacheParamInterface) -> int:
+    """Bytes one page id costs on a replica (all its TP shards): `bytes_per_block`, or for a hybrid tree
+    of several caches the arena row, the largest cache's page per device rounded up to `ROW_ALIGN`,
+    times the TP degree."""
+    leaves = params.leaves()
+    if len(leaves) == 1 or not is_hybrid(params):
+        return params.bytes_per_block
+    row = max(leaf.bytes_per_block_per_device for leaf in leaves)
+    return -(-row // ROW_ALIGN) * ROW_ALIGN * params.tensor_parallel_degree
+
+
+def state_slots_per_request(params: KVCacheParamInterface) -> int:
+    """Pages a running request holds in the state groups (its live and draft state slots), whatever its length."""
+    return sum(int(getattr(leaf.kv_cache_spec, "slots_per_request", 0)) for leaf in params.leaves())
 
 
 def compute_num_device_blocks(
@@ -43,7 +78,7 @@ def compute_num_device_blocks(
     when not even one page fits.
     """
     check_int("available_cache_memory", available_cache_memory, 0)
-    dp, per_page = params.data_parallel_degree, params.bytes_per_block
+    dp, per_page = params.data_parallel_degree, pool_page_bytes(params)
     allocable = (available_cache_memory // dp) // per_page
     if allocable == 0:
         raise InsufficientBlocksError(
@@ -56,7 +91,7 @@ def compute_num_device_blocks(
     if max_batch_size is not None and max_seq_len is not None:
         check_int("max_batch_size", max_batch_size, 1)
         check_int("max_seq_len", max_seq_len, 1)
-        pages_per_seq = math.ceil(max_seq_len / params.page_size)
+        pages_per_seq = math.ceil(max_seq_len / params.page_size) + state_slots_per_request(params)
         blocks = min(allocable, pages_per_seq * max_batch_size)
         if pages_per_seq > allocable:
             logger.warning(
@@ -75,7 +110,7 @@ def estimated_memory_size(
 ) -> int:
     """Bytes the device pages take over all replicas (never more than available or needed)."""
     blocks = compute_num_device_blocks(params, available_cache_memory, max_batch_size, max_seq_len)
-    return blocks * params.bytes_per_block * params.data_parallel_degree
+    return blocks * pool_page_bytes(params) * params.data_parallel_degree
 
 
 def compute_max_seq_len_fitting_in_cache(params: KVCacheParamInterface, available_cache_memory: int) -> int:

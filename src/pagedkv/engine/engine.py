@@ -23,6 +23,7 @@ import torch
 
 from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError
+from pagedkv.core.memory import pool_page_bytes
 from pagedkv.dtype import DType
 from pagedkv.engine.checks import check_prompts, check_request, check_state_layers
 from pagedkv.engine.request import Request
@@ -96,7 +97,12 @@ class LLMEngine:
             raise ValueError("preemption_mode='swap' needs a host tier: a local/tiered kv_connector (or host pages)")
         if manager.num_replicas != 1 or len(manager.params.devices) != 1:
             raise ValueError("LLMEngine drives one replica on one device")
-        check_state_layers(model, manager.params.leaves(), dict(state_map or {}))  # before the model changes
+        leaves = manager.params.leaves()
+        self._state_groups = [g for g, leaf in enumerate(leaves) if isinstance(leaf, StateCacheParams)]
+        self._group_params = [leaf for leaf in leaves if not isinstance(leaf, StateCacheParams)]
+        if self._state_groups and self._state_groups[0] != len(self._group_params):
+            raise ValueError("state groups must come after the attention groups in the params tree")
+        check_state_layers(model, leaves, dict(state_map or {}))  # before the model changes
         self.model = model
         install_positions(model)  # length-dependent RoPE per request (`pagedkv.hf.rope`)
         self._alibi_slopes = None  # float32 [H_q]: an ALiBi model's slopes, once (`pagedkv.hf.alibi`)
@@ -107,11 +113,6 @@ class LLMEngine:
         self.manager = manager
         self.layer_map = dict(layer_map or {})
         self.state_map = dict(state_map or {})
-        leaves = manager.params.leaves()
-        self._state_groups = [g for g, leaf in enumerate(leaves) if isinstance(leaf, StateCacheParams)]
-        self._group_params = [leaf for leaf in leaves if not isinstance(leaf, StateCacheParams)]
-        if self._state_groups and self._state_groups[0] != len(self._group_params):
-            raise ValueError("state groups must come after the attention groups in the params tree")
         install_state_layers(model)
         self.device = manager.params.devices[0].to_torch()
         batch = max_batch_size or manager.max_batch_size
@@ -146,7 +147,10 @@ class LLMEngine:
         Any decoder whose attention goes through transformers' `AttentionInterface` (full, sliding,
         chunked, sinks, softcap; DeepSeek V2/V3 MLA); others raise ValueError before the model changes
         (`pagedkv.hf.support`; docs/MODELS.md lists the tested ones). Mixed
-        attention types get one page table per group over one pool. Give either `num_pages` or
+        attention types get one page table per group over one pool. Recurrent mixers (`pagedkv.hf.mixers`:
+        Mamba, Mamba2, gated delta net, short conv) keep their state in state slots of that pool; the
+        attention page then grows from `page_size` until a page holds a layer's state (vLLM's rule; the
+        engine's ``summary["page_size"]`` says what it became). Give either `num_pages` or
         `memory_budget` (bytes for the KV pages). The model is modified in place: its attention
         implementation becomes ``"pagedkv"`` (only once every argument was accepted: a failing call
         leaves the model as it was); Bloom, MPT and Falcon keep theirs and get their attention modules
@@ -183,10 +187,11 @@ class LLMEngine:
             manager = PagedKVCacheManager(params, None, num_pages, total_num_host_pages, max_batch_size=max_batch_size)
         else:
             assert memory_budget is not None
-            if memory_budget < params.bytes_per_block * params.data_parallel_degree:
+            page_bytes = pool_page_bytes(params)  # (a hybrid model's groups share one arena row per page)
+            if memory_budget < page_bytes * params.data_parallel_degree:
                 raise InsufficientBlocksError(
-                    f"memory_budget={memory_budget} bytes holds no page: one page of {page_size} tokens takes "
-                    f"{params.bytes_per_block} bytes (x{params.data_parallel_degree} replicas)",
+                    f"memory_budget={memory_budget} bytes holds no page: one page of {params.page_size} tokens "
+                    f"takes {page_bytes} bytes (x{params.data_parallel_degree} replicas)",
                     needed=1,
                     available=0,
                 )
@@ -318,7 +323,10 @@ class LLMEngine:
         attention implementation the engine installed (``model.set_attn_implementation("eager")``
         to call its own ``generate``): its tokens would be wrong. A request that cannot take a
         single token with the whole pool to itself leaves the engine with `InsufficientBlocksError`
-        (see `Scheduler`; `add_request` refuses such requests up front).
+        (see `Scheduler`; `add_request` refuses such requests up front). When the forward or sampling
+        raises on a model with recurrent state, the step's layers may already have updated some state
+        slots in place: every running request is released and computed again from its tokens at the
+        next step (attention pages are rewritten identically, so attention-only models just retry).
         """
         if not self.scheduler.has_unfinished():
             return []
@@ -330,14 +338,22 @@ class LLMEngine:
                 f"{len(self.scheduler.running)} run (pool: {self.manager.num_free_blocks()} of "
                 f"{self.manager.total_num_pages} pages free)"
             )
-        logits = self._forward(batch)  # [B, V]: logits of each request's last window token
+        try:
+            logits = self._forward(batch)  # [B, V]: logits of each request's last window token
+            tokens = [
+                None if r.ctx.tokens.is_chunked else sample(logits[i].float(), r.sampling, r.generator)
+                for i, r in enumerate(batch)
+            ]
+        except BaseException:
+            if self._state_groups:  # layers may have moved their states on: recompute every request's state
+                self.scheduler.recompute_all()
+            raise
         finished = []
-        for i, request in enumerate(batch):
+        for i, (request, token) in enumerate(zip(batch, tokens, strict=True)):
             ctx = request.ctx
-            if ctx.tokens.is_chunked:  # mid-prompt chunk: no token yet
+            if token is None:  # mid-prompt chunk: no token yet
                 ctx.update(0)
                 continue
-            token = sample(logits[i].float(), request.sampling, request.generator)
             if request.first_token_time is None:
                 request.first_token_time = time.perf_counter()
             if self.record_logits:

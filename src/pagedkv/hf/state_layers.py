@@ -10,36 +10,32 @@ model still runs as transformers wrote it (e.g. its own ``generate``).
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
 
 from pagedkv.hf.context import current
-from pagedkv.hf.mixers import MixerAdapter, adapter_for
+from pagedkv.hf.mixers import adapter_for
 
 __all__ = ["install", "installed"]
 
-_MARK = "_pagedkv_state_forward"
 
-
-def _wrap(module: torch.nn.Module, adapter: MixerAdapter, layer_idx: int) -> None:
-    original = module.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        ctx = current()
-        if ctx is None or ctx.states is None:
-            return original(*args, **kwargs)
-        hidden = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]  # [1, T, D]
-        batch, states = ctx.states.locate(layer_idx)
-        return adapter.forward(module, hidden, batch, states)
-
-    setattr(forward, _MARK, True)
-    module.forward = forward  # type: ignore[method-assign]
+def _state_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A wrapped mixer's forward (bound to the module, so a copy of the model calls its own mixers)."""
+    ctx = current()
+    if ctx is None or ctx.states is None:
+        return type(self).forward(self, *args, **kwargs)
+    adapter = adapter_for(self)
+    assert adapter is not None
+    hidden = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]  # [1, T, D]
+    batch, states = ctx.states.locate(int(self.layer_idx))  # type: ignore[arg-type]
+    return adapter.forward(self, hidden, batch, states)
 
 
 def installed(module: torch.nn.Module) -> bool:
     """True when `module`'s forward is pagedkv's (see `install`)."""
-    return bool(getattr(module.forward, _MARK, False))
+    return getattr(module.forward, "__func__", None) is _state_forward
 
 
 def install(model: torch.nn.Module) -> int:
@@ -51,6 +47,6 @@ def install(model: torch.nn.Module) -> int:
         if adapter is None:
             continue
         if not installed(module):
-            _wrap(module, adapter, int(module.layer_idx))  # type: ignore[arg-type]
+            module.forward = types.MethodType(_state_forward, module)  # type: ignore[method-assign]
         count += 1
     return count

@@ -198,7 +198,7 @@ def unify_state_block_size(specs_by_layer: dict[str, KVCacheSpec]) -> dict[str, 
     sizes = {s.block_size for s in others.values()}
     if len(sizes) > 1:
         raise ValueError(f"all attention layers must have one block_size, got {sorted(sizes)}")
-    state_bytes = max(s.page_size_bytes for s in states.values())
+    state_bytes = max(max(s.page_size_bytes, s.shard_bytes()) for s in states.values())  # (+ alignment bytes)
     if not others:
         block = next(iter(states.values())).block_size
     else:

@@ -15,7 +15,8 @@ import torch
 
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.coordinator import KVCacheCoordinator
-from pagedkv.core.managers import FullAttentionManager, MLAAttentionManager, manager_for
+from pagedkv.core.managers import manager_for
+from pagedkv.core.memory import is_hybrid
 from pagedkv.core.tables import BatchTables
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params import KVCacheParams
@@ -38,15 +39,6 @@ __all__ = [
     "hybrid_inputs",
     "replica_tables",
 ]
-
-
-def is_hybrid(params: KVCacheParamInterface) -> bool:
-    """True when some cache keeps fewer than all tokens, or is cross-attention (its spec's manager is
-    not plain full attention)."""
-    return any(type(manager_for(0, leaf.kv_cache_spec)) not in _FULL for leaf in params.leaves())
-
-
-_FULL = (FullAttentionManager, MLAAttentionManager)
 
 
 def group_names(params: KVCacheParamInterface) -> list[str]:

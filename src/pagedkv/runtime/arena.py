@@ -10,8 +10,8 @@ follow::
 
 so one page id costs the largest group's page, not the sum over groups. A
 state group (`StateCacheParams`) views its rows as each layer's state tensors
-(`pagedkv.runtime.state_buffers`). Rows are padded to 16 bytes, so every view
-of a row starts aligned for its dtype.
+(`pagedkv.runtime.state_buffers`). Rows are padded to `ROW_ALIGN` (8) bytes, so
+every view of a row starts aligned for its dtype.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.core.memory import ROW_ALIGN
 from pagedkv.params import KVCacheParams
 from pagedkv.runtime.buffers import KVCacheBuffer, KVCacheMemory, MultiKVCacheBuffer
 from pagedkv.runtime.state_buffers import make_state_buffer
-from pagedkv.state_params import ALIGN, StateCacheParams
+from pagedkv.state_params import StateCacheParams
 
 __all__ = ["HybridKVCacheBuffer", "allocate_arena_buffers", "leaf_page_bytes"]
 
@@ -58,7 +59,7 @@ def allocate_arena_buffers(
 ) -> list[HybridKVCacheBuffer]:
     """Zeroed arenas and per-leaf views, one `HybridKVCacheBuffer` (children named `names`) per replica."""
     first = leaves[0]
-    row = -(-max(leaf_page_bytes(leaf) for leaf in leaves) // ALIGN) * ALIGN
+    row = -(-max(leaf_page_bytes(leaf) for leaf in leaves) // ROW_ALIGN) * ROW_ALIGN
     out = []
     for r, devices in enumerate(first.devices_per_replica):
         arenas = [torch.zeros((total_num_pages, row), dtype=torch.uint8, device=d.to_torch()) for d in devices]
