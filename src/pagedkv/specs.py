@@ -471,9 +471,13 @@ class MambaSpec(KVCacheSpec):
         return 1 + self.num_speculative_blocks
 
     def max_memory_usage_bytes(self, vllm_config: SchedulerLimits) -> int:
-        """One request's slots: ``page_size_bytes * (1 + num_speculative_blocks)`` ("none" mode), two more
-        live slots plus the prefill checkpoints in "align" mode (vLLM's arithmetic)."""
-        extra = 1 + self.num_prefill_checkpoint_blocks if self.mamba_cache_mode == "align" else 0
+        """One request's slots: ``page_size_bytes * (1 + num_speculative_blocks)`` ("none" mode), one more
+        live slot plus the prefill checkpoints in "align" mode (vLLM's arithmetic). The mode is
+        ``vllm_config.cache_config.mamba_cache_mode`` when the argument has one (as vLLM reads it), else
+        this spec's `mamba_cache_mode`."""
+        cache_config = getattr(vllm_config, "cache_config", None)
+        mode = getattr(cache_config, "mamba_cache_mode", None) or self.mamba_cache_mode
+        extra = 1 + self.num_prefill_checkpoint_blocks if mode == "align" else 0
         return self.page_size_bytes * (self.slots_per_request + extra)
 
     def max_admission_blocks_per_request(self, limits: SchedulerLimits) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from pagedkv.specs import MambaSpec
+from pagedkv.specs import MambaSpec, SchedulerLimits
 
 
 def _vllm() -> Any:
@@ -63,4 +63,6 @@ def test_byte_arithmetic_is_vllms(seed: int) -> None:
     for mode in ("none", "align"):
         config = SimpleNamespace(cache_config=SimpleNamespace(mamba_cache_mode=mode))  # what vLLM reads of it
         ours_mode = dataclasses.replace(ours, mamba_cache_mode=mode)
-        assert ours_mode.max_memory_usage_bytes(None) == theirs.max_memory_usage_bytes(config), mode  # type: ignore[arg-type]
+        expected = theirs.max_memory_usage_bytes(config)
+        assert ours.max_memory_usage_bytes(config) == expected, mode  # type: ignore[arg-type]  # vLLM's config decides
+        assert ours_mode.max_memory_usage_bytes(SchedulerLimits(max_model_len=1)) == expected, mode  # else the spec
