@@ -6,11 +6,17 @@ on every layer, head and shard). Before writing, it checks that every cached
 position of every request already holds the value of *that request's* prefix.
 Any wrong page reuse, a stale page, a page shared while still being written,
 or a lookup-table slip shows up as a mismatch.
+
+State groups (`StateCacheParams`) are checked the same way: a request's state
+slot holds, in every element of every state tensor of every layer, the value of
+the prefix it has processed (the stamp of a recurrent state that covers all its
+tokens). Before writing the stamp of the prefix after the step, the model checks
+that a slot it continues from (``has_initial_state``) holds its own prefix's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -19,7 +25,7 @@ from pagedkv.core.context import TextContext
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheParams
-from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs
+from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs, StateCacheInputs
 
 _MOD = (1 << 24) - 3  # values stay exact in float32
 
@@ -58,6 +64,9 @@ class PrefixStampModel:
         inputs = self.manager.runtime_inputs(batches)
         groups = list(inputs.children.values()) if isinstance(inputs, MultiKVCacheInputs) else [inputs]
         for g, group in enumerate(groups):
+            for state in (r for r in group.inputs if isinstance(r, StateCacheInputs)):
+                per_replica = len(group.inputs) // self.manager.num_replicas
+                self._run_state(state, batches[group.inputs.index(state) // per_replica])
             records = [r for r in group.inputs if isinstance(r, RaggedKVCacheInputs)]
             per_replica = len(records) // self.manager.num_replicas
             for i, record in enumerate(records):
@@ -84,6 +93,14 @@ class PrefixStampModel:
         values = prefix_values(tokens, known)
         self._memo[ctx.request_id] = (tokens.copy(), values)
         return values
+
+    def _run_state(self, record: StateCacheInputs, batch: Sequence[TextContext]) -> None:
+        """Check then stamp the state slots of `batch` (see the module docstring)."""
+
+        def stamp_of(ctx: TextContext, end: int) -> float:
+            return float(self._prefix_values(ctx, end)[end - 1])
+
+        self.positions_checked += _check_then_stamp_states(record, batch, stamp_of)
 
     def _run_device(
         self, record: RaggedKVCacheInputs, batch: Sequence[TextContext], replica: int, policy: KVCacheParams | None
@@ -124,6 +141,29 @@ class PrefixStampModel:
                 got_v = blocks[pages[:cached][read], 1, :, slots[:cached][read]]  # [readable, L, H, D]
                 assert torch.equal(got_v, want + 1), f"{ctx.request_id!r}: V differs from K + 1"
             self.positions_checked += int(read.sum())
+
+
+def _check_then_stamp_states(
+    record: StateCacheInputs, batch: Sequence[TextContext], stamp_of: Callable[[TextContext, int], float]
+) -> int:
+    """Check that every slot a request continues from holds its processed prefix's stamp, then write the
+    stamp of the prefix after the step. Returns how many slots were checked."""
+    checked = 0
+    slots = record.state_slots[:, 0].long().tolist()
+    for b, ctx in enumerate(batch):
+        cached = int(record.cache_lengths[b])
+        assert cached == ctx.tokens.processed_length
+        assert bool(record.has_initial_state[b]) == (cached > 0)
+        for tensors in record.layer_states:
+            for state in tensors:
+                if cached:
+                    want = stamp_of(ctx, cached)
+                    assert bool((state[slots[b]] == want).all()), (
+                        f"{ctx.request_id!r}: its state slot holds another state"
+                    )
+                    checked += 1
+                state[slots[b]] = stamp_of(ctx, ctx.tokens.current_position)
+    return checked
 
 
 def _readable(positions: torch.Tensor, first_query: int, params: KVCacheParams | None) -> torch.Tensor:

@@ -222,3 +222,39 @@ def test_symbolic_inputs_describe_the_state_inputs_runtime_inputs_gives() -> Non
 def test_a_state_group_serves_one_live_state_per_request_not_vllms_align_mode() -> None:
     with pytest.raises(ValueError, match="mamba_cache_mode='align': pagedkv keeps one live state per request"):
         StateCacheParams.from_spec(gdn(mamba_cache_mode="align"), 1, [DeviceRef.CPU()])
+
+
+def test_the_stamp_model_checks_state_slots_and_catches_a_mixed_up_one() -> None:
+    """`PrefixStampModel` stamps each request's slot with its processed prefix and checks it next step."""
+    from helpers import ctx
+    from pagedkv.testing import PrefixStampModel
+
+    spec = MambaSpec(block_size=4, shapes=((3, 2), (2,)), dtypes=(torch.float32, torch.float32))
+    attention = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=2, dtype=DType.float32)
+    config = get_kv_cache_config({"s": spec, "a": attention}, 1 << 20)
+    manager = PagedKVCacheManager(params_from_kv_cache_config(config, [DeviceRef.CPU()]), None, 16, max_batch_size=2)
+    model = PrefixStampModel(manager)
+    a, b = ctx("a", range(6)), ctx("b", range(10, 13))
+    for c in (a, b):
+        manager.claim(c.request_id)
+        manager.alloc(c)
+    model.forward([[a, b]])  # first step: no slot is read, both are stamped
+    checked = model.positions_checked
+    a.update(1)
+    b.update(2)
+    manager.step([[a, b]])
+    for c in (a, b):
+        manager.alloc(c)
+    model.forward([[a, b]])
+    assert model.positions_checked - checked >= 2 * 2  # (K/V positions too) both slots, both state tensors
+    a.update(3)
+    b.update(4)
+    manager.step([[a, b]])
+    for c in (a, b):
+        manager.alloc(c)
+    state = manager.runtime_inputs([[a, b]]).children["group0"].inputs[0]
+    slot_a, slot_b = state.state_slots[:, 0].tolist()
+    conv = state.layer_states[0][0]
+    conv[slot_a] = conv[slot_b].clone()  # a's conv state replaced by b's
+    with pytest.raises(AssertionError, match="'a': its state slot holds another state"):
+        model.forward([[a, b]])

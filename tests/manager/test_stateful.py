@@ -18,10 +18,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from helpers import make_params, snapshot
 from pagedkv.core.context import Retention, TextContext
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.dtype import DeviceRef
+from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams
+from pagedkv.specs import MambaSpec
+from pagedkv.state_params import StateCacheParams
 from pagedkv.testing import PrefixStampModel
 
 CPU = DeviceRef.CPU()
@@ -38,6 +40,13 @@ def layout_params(layout: str, **kwargs: object) -> KVCacheParams | MultiKVCache
     if layout == "mla-tp2":
         return make_params(**{**base, "n_kv_heads": 1}, devices=[CPU, CPU], is_mla=True)
     devices = [CPU] * (2 if layout.endswith("tp2") else 1)
+    if layout.startswith("state"):  # recurrent state slots beside a full and a sliding-window group
+        state = MambaSpec(block_size=int(kwargs["page_size"]), shapes=((4, 2), (2, 3)),  # type: ignore[call-overload]
+                          dtypes=(DType.float32, DType.float32), num_speculative_blocks=int(kwargs.get("num_eagle_speculative_tokens", 0)))  # type: ignore[call-overload]  # fmt: skip
+        return MultiKVCacheParams({
+            "full": make_params(**base, devices=devices), "swa": make_params(**base, devices=devices, sliding_window=5),
+            "state": StateCacheParams.from_spec(state, 2, devices, **kwargs),
+        })  # fmt: skip
     kinds = {"full": {}, "swa": {"sliding_window": 5}, "chunk": {"attention_chunk_size": 6},
              "sink": {"sliding_window": 4, "sink_tokens": 3}}  # fmt: skip
     return MultiKVCacheParams({name: make_params(**base, devices=devices, **extra) for name, extra in kinds.items()})
@@ -52,7 +61,7 @@ class ManagerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         spec=st.sampled_from([0, 0, 2]),
         algo=st.sampled_from(["sha256", "sha256_64", "xxh3_128"]),
-        layout=st.sampled_from(["mha", "mha-tp2", "mla-tp2", "swa", "hybrid", "hybrid-tp2"]),
+        layout=st.sampled_from(["mha", "mha-tp2", "mla-tp2", "swa", "hybrid", "hybrid-tp2", "state", "state-tp2"]),
         policy=st.sampled_from(["lru", "slru", "lfu", "arc"]),
         protect=st.sampled_from([0.0, 0.25, 1.0]),
         leaves=st.booleans(),
@@ -74,7 +83,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.ops = 0
         self.now = 0.0
-        self.hybrid = layout.startswith(("swa", "hybrid"))
+        self.hybrid = layout.startswith(("swa", "hybrid", "state"))
         self.bm.pool.keyed_order().clock = lambda: self.now  # retention expiry on a clock the test moves
 
     def _ready(self) -> list[TextContext]:
