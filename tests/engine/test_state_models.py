@@ -238,3 +238,24 @@ def test_a_copy_of_a_served_model_runs_its_own_mixers() -> None:
     engine = LLMEngine.from_hf(twin, page_size=4, num_pages=8, record_logits=True)
     (request,) = run(engine, [[5, 6, 7, 8]])
     assert torch.allclose(torch.stack(request.logits), reference(twin, [5, 6, 7, 8], request.output), atol=1e-5)
+
+
+def test_the_step_context_gives_the_scans_host_offsets() -> None:
+    """The scans read a step's request offsets on the host: a CUDA step must not synchronise once per layer."""
+    from pagedkv.hf.context import StateContext
+
+    model = build_state_model("bamba")
+    engine = LLMEngine.from_hf(model, page_size=4, num_pages=32)
+    a, b = engine.add_request([5, 6, 7], 2), engine.add_request([8, 9], 2)
+    for r in (a, b):
+        engine.scheduler.waiting.remove(r)
+        engine.manager.claim(r.request_id)
+        engine.manager.alloc(r.ctx)
+    tree = engine.manager.runtime_inputs([[a.ctx, b.ctx]])
+    records = {g: list(tree.children.values())[g].inputs[0] for g in engine._state_groups}
+    context = StateContext.build(records, torch.tensor([0, 3, 5]), engine.state_map)
+    for batch in context.batches.values():
+        assert batch.host_offsets is not None and batch.host_offsets.device.type == "cpu"
+        assert batch.scan_offsets.tolist() == [0, 3, 5] == batch.input_row_offsets.tolist()
+        assert batch.lengths == [3, 2] and not batch.decode
+    assert context.positions.tolist() == [0, 1, 2, 0, 1]

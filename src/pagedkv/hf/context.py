@@ -141,7 +141,7 @@ class StateContext:
         offsets = host.to(device)  # [B + 1]
         has_state = first.has_initial_state  # [B] (every state group shares the requests' progress)
         batches = {
-            g: StateBatch(offsets, lengths, rec.state_slots[:, 0].to(torch.int64), has_state)
+            g: StateBatch(offsets, lengths, rec.state_slots[:, 0].to(torch.int64), has_state, host)
             for g, rec in records.items()
         }
         return cls(batches, dict(records), dict(state_map))

@@ -35,12 +35,20 @@ class StateBatch:
         slots: int64 [B] on the device: each request's state slot (the page id of its state group).
         has_state: bool [B] on the device: True when the slot holds the state after the request's
             processed tokens (continue from it), False at the request's first token (start from zeros).
+        host_offsets: int64 [B + 1] on the host, the same offsets: the scans read them there, so a CUDA
+            step does not synchronise once per layer (None: read `input_row_offsets`).
     """
 
     input_row_offsets: torch.Tensor
     lengths: list[int]
     slots: torch.Tensor
     has_state: torch.Tensor
+    host_offsets: torch.Tensor | None = None
+
+    @property
+    def scan_offsets(self) -> torch.Tensor:
+        """The offsets the scans read on the host (`host_offsets`, else `input_row_offsets`)."""
+        return self.host_offsets if self.host_offsets is not None else self.input_row_offsets
 
     @property
     def decode(self) -> bool:
@@ -55,7 +63,8 @@ class StateBatch:
         device = device or slots.device
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)  # [B + 1]
         offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
-        return cls(offsets.to(device), list(lengths), slots.to(device=device, dtype=torch.int64), has_state.to(device))
+        slots = slots.to(device=device, dtype=torch.int64)  # [B]
+        return cls(offsets.to(device), list(lengths), slots, has_state.to(device), offsets)
 
 
 StateSpecFn = Callable[[torch.nn.Module, torch.dtype], tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]]

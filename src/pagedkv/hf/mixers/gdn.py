@@ -242,8 +242,9 @@ def _forward(
     dt_bias: torch.Tensor = _attr(module, "dt_bias")
     g = -a_log.float().exp() * F.softplus(p.a.float() + dt_bias)  # [T, H_v] float32 log decay
     core = gated_delta_rule(
-        query, key, value, g, p.beta, recurrent_state, *rows, use_qk_l2norm_in_kernel=True
-    )  # [T, H_v, Dv] model dtype
+        query, key, value, g, p.beta, recurrent_state, batch.slots, batch.has_state, batch.scan_offsets,
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip  # [T, H_v, Dv] model dtype
 
     normed = _call(module, family.norm, core.reshape(-1, dims.head_v_dim), p.z.reshape(-1, dims.head_v_dim))
     out: torch.Tensor = _call(module, family.out_proj, normed.reshape(1, t, dims.value_dim))  # [1, T, D]

@@ -135,7 +135,7 @@ def mamba1_forward(
     dt = F.linear(dt, dt_proj.weight)  # [T, I], bias left to the scan (as transformers does)
     a = -torch.exp(_attr(module, "A_log", torch.Tensor).float())  # [I, N]
     y = selective_scan(
-        x, dt, a, b, c, ssm_state, batch.slots, batch.has_state, batch.input_row_offsets,
+        x, dt, a, b, c, ssm_state, batch.slots, batch.has_state, batch.scan_offsets,
         d=_attr(module, "D", torch.Tensor), z=gate, delta_bias=dt_proj.bias, delta_softplus=True,
     )  # fmt: skip  # [T, I]
     out: torch.Tensor = _attr(module, "out_proj", nn.Module)(y.to(hidden_states.dtype))  # [T, D]

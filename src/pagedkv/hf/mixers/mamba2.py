@@ -221,7 +221,7 @@ def _forward(
         x.reshape(rows, dims.heads, dims.head_dim).to(torch.float32),  # float32 x: the output stays float32
         dt, -torch.exp(m.A_log.to(torch.float32)),
         b.reshape(rows, dims.groups, dims.state_size), c.reshape(rows, dims.groups, dims.state_size),
-        m.D, ssm_state, slots, has_state, offsets,
+        m.D, ssm_state, slots, has_state, batch.scan_offsets,
         dt_bias=m.dt_bias, dt_softplus=True, time_step_limit=(float(low), float(high)), chunk_size=int(m.chunk_size),
     )  # fmt: skip  # [T, H, P] float32
     y = variant.gated_norm(m)(y.reshape(rows, dims.intermediate), gate)  # [T, I] float32
