@@ -111,7 +111,8 @@ def _older_suites() -> dict[str, str]:
 
 
 STATE_KINDS = {
-    "qwen3_next": "gated delta net", "qwen3_5_text": "gated delta net", "olmo_hybrid": "gated delta net",
+    "qwen3_next": "gated delta net", "qwen3_5_text": "gated delta net", "qwen3_5_moe_text": "gated delta net (MoE)",
+    "olmo_hybrid": "gated delta net", "lfm2_moe": "short convolution (MoE)",
     "bamba": "Mamba2", "granitemoehybrid": "Mamba2", "falcon_h1": "Mamba2 beside attention in every layer",
     "nemotron_h": "Mamba2 (and MLP-only layers)", "jamba": "Mamba1", "lfm2": "short convolution",
     "mamba2": "Mamba2 (no attention)", "mamba": "Mamba1 (no attention)",
