@@ -19,6 +19,7 @@ __all__ = ["PEERS", "PeerUnavailable", "load_peer", "import_peer", "ensure_torch
 # peer name -> (module, adapter class)
 PEERS: dict[str, tuple[str, str]] = {
     "vllm": ("pagedkv.bench.compare.peer_vllm", "VllmAdapter"),
+    "vllm-hybrid": ("pagedkv.bench.compare.peer_vllm_hybrid", "VllmHybridAdapter"),
     "sglang": ("pagedkv.bench.compare.peer_sglang", "SglangAdapter"),
 }
 
@@ -73,7 +74,7 @@ def ensure_torchvision_ops() -> None:
 
 
 def load_peer(name: str, **kwargs: Any) -> Any:
-    """The adapter of peer `name` ("vllm" or "sglang") built with `kwargs`.
+    """The adapter of peer `name` ("vllm", "vllm-hybrid" or "sglang") built with `kwargs`.
 
     Raises `PeerUnavailable` (with the import error text) when the engine is not
     installed, and `ValueError` for an unknown name.

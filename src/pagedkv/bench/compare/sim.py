@@ -7,9 +7,13 @@ same calls in the same order:
 
 1. ``adapter.new_step()``.
 2. Running requests, oldest first, while the token budget lasts: ``extend(req, n)``
-   with n the next prefill chunk or 1. On False the newest running request is
-   preempted (``free(victim, preempted=True)``, its computed tokens forgotten,
-   generated tokens kept) and requeued at the front, then the call is retried.
+   with n the next prefill chunk or 1. An adapter with a ``clip_chunk(req, n)``
+   method (an engine whose scheduler shortens chunks, like vLLM's align-mode
+   split for Mamba hybrids) is asked first and n becomes its answer; 0 skips
+   the request for this step, as vLLM's scheduler does. On False the newest
+   running request is preempted (``free(victim, preempted=True)``, its computed
+   tokens forgotten, generated tokens kept) and requeued at the front, then the
+   call is retried.
 3. Waiting requests, unless something was preempted this step, while a batch
    slot and budget remain: ``admit(req, budget)`` returns (cached tokens, chunk)
    or None (does not fit: admissions stop for this step).
@@ -52,6 +56,9 @@ class CacheAdapter(Protocol):
     def extend(self, req: TraceRequest, n: int) -> bool:
         """Room for `n` more tokens of a running request; False (nothing changed) when full."""
         ...
+
+    # Optional: ``clip_chunk(req, n) -> int`` (0 <= result <= n), the chunk the engine's own
+    # scheduler would run for a running request offered `n` tokens; asked before `extend`.
 
     def advance(self, batch: Sequence[tuple[TraceRequest, int]]) -> None:
         """After the forward pass: each request computed its chunk; a token was appended where
@@ -150,13 +157,19 @@ def _schedule_running(adapter: CacheAdapter, running: list[TraceRequest], waitin
     batch: list[tuple[TraceRequest, int]] = []
     preempted = False
     clock, sec = time.perf_counter, res.seconds
+    clip = getattr(adapter, "clip_chunk", None)
     i = 0
     while i < len(running) and budget > 0:
         req = running[i]
         n = min(req.num_tokens - req.num_computed, budget)
         t0 = clock()
-        ok = adapter.extend(req, n)
+        if clip is not None:
+            n = clip(req, n)
+        ok = n > 0 and adapter.extend(req, n)
         sec["extend"] += clock() - t0
+        if n == 0:  # the engine's scheduler runs nothing of it this step
+            i += 1
+            continue
         if ok:
             batch.append((req, n))
             budget -= n
