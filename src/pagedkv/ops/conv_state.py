@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.ops.state_slots import initial_states
+
 __all__ = ["causal_conv1d", "causal_conv1d_reference", "ACTIVATIONS"]
 
 ACTIVATIONS = (None, "silu")
@@ -166,9 +168,7 @@ def causal_conv1d(
     lengths = offsets[1:] - starts  # [B]
     slot_idx = slots.to(device=device, dtype=torch.long)  # [B]
 
-    prior = conv_state.index_select(0, slot_idx).float()  # [B, C, W]
-    keep = has_state.to(device).view(batch, 1, 1)  # [B, 1, 1]
-    prior = torch.where(keep, prior, torch.zeros_like(prior))  # [B, C, W], zeros (not 0 * garbage) without state
+    prior = initial_states(conv_state, slot_idx, has_state.to(device)).float()  # [B, C, W], zeros without state
     source = torch.cat([x.float(), prior.transpose(1, 2).reshape(batch * width, channels)])  # [T + B*W, C]
 
     def source_rows(request: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
@@ -209,9 +209,7 @@ def _decode(
     """`causal_conv1d` for one token per request (row b is request b's token)."""
     kernel_size, width = weight.shape[1], conv_state.shape[2]
     slot_idx = slots.to(device=x.device, dtype=torch.long)  # [B]
-    prior = conv_state.index_select(0, slot_idx).float()  # [B, C, W]
-    keep = has_state.to(x.device).view(-1, 1, 1)  # [B, 1, 1]
-    prior = torch.where(keep, prior, torch.zeros_like(prior))  # [B, C, W]
+    prior = initial_states(conv_state, slot_idx, has_state.to(x.device)).float()  # [B, C, W]
     inputs = torch.cat([prior, x.float()[:, :, None]], dim=2)  # [B, C, W + 1], oldest first
     y = (inputs[:, :, width + 1 - kernel_size :] * weight.float()[None]).sum(dim=2)  # [B, C]
     if bias is not None:

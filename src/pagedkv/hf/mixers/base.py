@@ -19,10 +19,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
-__all__ = ["StateBatch", "MixerAdapter"]
+__all__ = ["StateBatch", "MixerAdapter", "module_attr"]
+
+_A = TypeVar("_A")
+
+
+def module_attr(module: torch.nn.Module, name: str, kind: type[_A]) -> _A:
+    """``module.<name>`` checked to be a `kind` (the transformers attribute an adapter's forward relies on);
+    TypeError naming the class and attribute otherwise."""
+    value = getattr(module, name, None)
+    if not isinstance(value, kind):
+        raise TypeError(f"{type(module).__name__}.{name} is {type(value).__name__}, expected {kind.__name__}")
+    return value
 
 
 @dataclass(frozen=True, eq=False)

@@ -31,19 +31,17 @@ biases, carried by the Linear modules), ``time_step_rank`` / ``mamba_dt_rank`` (
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from pagedkv.hf.mixers.base import ForwardFn, MixerAdapter, StateBatch
+from pagedkv.hf.mixers.base import ForwardFn, MixerAdapter, StateBatch, module_attr
 from pagedkv.ops.conv_state import causal_conv1d
 from pagedkv.ops.selective_scan import selective_scan
 
 __all__ = ["ADAPTERS", "mamba1_forward", "mamba1_state_spec", "identity_norms", "jamba_norms"]
 
-_A = TypeVar("_A")
 
 NormsFn = Callable[
     [nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -51,20 +49,12 @@ NormsFn = Callable[
 """(module, dt [T, R], B [T, N], C [T, N]) -> the same three after the mixer's own normalisation."""
 
 
-def _attr(module: nn.Module, name: str, kind: type[_A]) -> _A:
-    """``module.<name>`` checked to be a `kind` (the transformers attribute the forward relies on)."""
-    value = getattr(module, name, None)
-    if not isinstance(value, kind):
-        raise TypeError(f"{type(module).__name__}.{name} is {type(value).__name__}, expected {kind.__name__}")
-    return value
-
-
 def mamba1_state_spec(
     module: nn.Module, model_dtype: torch.dtype
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]:
     """One layer's state: conv window ``(I, K - 1)`` in `model_dtype`, SSM state ``(I, N)`` in float32."""
-    conv_weight = _attr(module, "conv1d", nn.Conv1d).weight  # [I, 1, K]
-    a_log = _attr(module, "A_log", torch.Tensor)  # [I, N]
+    conv_weight = module_attr(module, "conv1d", nn.Conv1d).weight  # [I, 1, K]
+    a_log = module_attr(module, "A_log", torch.Tensor)  # [I, N]
     inner, kernel = conv_weight.shape[0], conv_weight.shape[-1]
     return ((inner, kernel - 1), (inner, a_log.shape[1])), (model_dtype, torch.float32)
 
@@ -81,9 +71,9 @@ def jamba_norms(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`JambaMambaMixer`: RMSNorms over dt [T, R] (before dt_proj), B [T, N] and C [T, N]."""
     return (
-        _attr(module, "dt_layernorm", nn.Module)(dt),
-        _attr(module, "b_layernorm", nn.Module)(b),
-        _attr(module, "c_layernorm", nn.Module)(c),
+        module_attr(module, "dt_layernorm", nn.Module)(dt),
+        module_attr(module, "b_layernorm", nn.Module)(b),
+        module_attr(module, "c_layernorm", nn.Module)(c),
     )
 
 
@@ -115,13 +105,13 @@ def mamba1_forward(
     if len(states) != 2:
         raise ValueError(f"a Mamba1 layer has 2 state tensors (conv, ssm), got {len(states)}")
     conv_state, ssm_state = states
-    conv1d = _attr(module, "conv1d", nn.Conv1d)
-    dt_proj = _attr(module, "dt_proj", nn.Linear)
-    rank = _attr(module, "time_step_rank", int)
-    n = _attr(module, "ssm_state_size", int)
-    activation = _attr(module, "activation", str)
+    conv1d = module_attr(module, "conv1d", nn.Conv1d)
+    dt_proj = module_attr(module, "dt_proj", nn.Linear)
+    rank = module_attr(module, "time_step_rank", int)
+    n = module_attr(module, "ssm_state_size", int)
+    activation = module_attr(module, "activation", str)
 
-    projected = _attr(module, "in_proj", nn.Module)(hidden_states[0])  # [T, 2I]
+    projected = module_attr(module, "in_proj", nn.Module)(hidden_states[0])  # [T, 2I]
     x, gate = projected.chunk(2, dim=-1)  # [T, I] each
     fused = "silu" if activation == "silu" else None
     x = causal_conv1d(
@@ -129,16 +119,16 @@ def mamba1_forward(
         activation=fused, decode=batch.decode,
     )  # fmt: skip  # [T, I]
     if fused is None:
-        x = _attr(module, "act", nn.Module)(x)  # [T, I]
-    dt, b, c = torch.split(_attr(module, "x_proj", nn.Module)(x), [rank, n, n], dim=-1)  # [T, R], [T, N], [T, N]
+        x = module_attr(module, "act", nn.Module)(x)  # [T, I]
+    dt, b, c = torch.split(module_attr(module, "x_proj", nn.Module)(x), [rank, n, n], dim=-1)  # [T, R], [T, N], [T, N]
     dt, b, c = norms(module, dt, b, c)
     dt = F.linear(dt, dt_proj.weight)  # [T, I], bias left to the scan (as transformers does)
-    a = -torch.exp(_attr(module, "A_log", torch.Tensor).float())  # [I, N]
+    a = -torch.exp(module_attr(module, "A_log", torch.Tensor).float())  # [I, N]
     y = selective_scan(
         x, dt, a, b, c, ssm_state, batch.slots, batch.has_state, batch.scan_offsets,
-        d=_attr(module, "D", torch.Tensor), z=gate, delta_bias=dt_proj.bias, delta_softplus=True,
+        d=module_attr(module, "D", torch.Tensor), z=gate, delta_bias=dt_proj.bias, delta_softplus=True,
     )  # fmt: skip  # [T, I]
-    out: torch.Tensor = _attr(module, "out_proj", nn.Module)(y.to(hidden_states.dtype))  # [T, D]
+    out: torch.Tensor = module_attr(module, "out_proj", nn.Module)(y.to(hidden_states.dtype))  # [T, D]
     return out[None]  # [1, T, D]
 
 

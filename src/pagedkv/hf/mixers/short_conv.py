@@ -18,32 +18,20 @@ padding rows; a packed ragged batch has none.
 
 from __future__ import annotations
 
-from typing import TypeVar
-
 import torch
 from torch import nn
 
-from pagedkv.hf.mixers.base import MixerAdapter, StateBatch
+from pagedkv.hf.mixers.base import MixerAdapter, StateBatch, module_attr
 from pagedkv.ops.conv_state import causal_conv1d
 
 __all__ = ["ADAPTERS", "short_conv_forward", "short_conv_state_spec"]
-
-_A = TypeVar("_A")
-
-
-def _attr(module: nn.Module, name: str, kind: type[_A]) -> _A:
-    """``module.<name>`` checked to be a `kind` (the transformers attribute the forward relies on)."""
-    value = getattr(module, name, None)
-    if not isinstance(value, kind):
-        raise TypeError(f"{type(module).__name__}.{name} is {type(value).__name__}, expected {kind.__name__}")
-    return value
 
 
 def short_conv_state_spec(
     module: nn.Module, model_dtype: torch.dtype
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]:
     """One layer's state: the conv window ``(D, K - 1)`` in `model_dtype`."""
-    weight = _attr(module, "conv", nn.Conv1d).weight  # [D, 1, K]
+    weight = module_attr(module, "conv", nn.Conv1d).weight  # [D, 1, K]
     return ((weight.shape[0], weight.shape[-1] - 1),), (model_dtype,)
 
 
@@ -68,8 +56,8 @@ def short_conv_forward(
         raise ValueError(f"the batch has {sum(batch.lengths)} rows, hidden_states {hidden_states.shape[1]}")
     if len(states) != 1:
         raise ValueError(f"a short conv layer has 1 state tensor (conv), got {len(states)}")
-    conv = _attr(module, "conv", nn.Conv1d)
-    b, c, x = _attr(module, "in_proj", nn.Module)(hidden_states[0]).chunk(3, dim=-1)  # [T, D] each
+    conv = module_attr(module, "conv", nn.Conv1d)
+    b, c, x = module_attr(module, "in_proj", nn.Module)(hidden_states[0]).chunk(3, dim=-1)  # [T, D] each
     u = causal_conv1d(
         b * x,
         states[0],
@@ -80,7 +68,7 @@ def short_conv_forward(
         batch.input_row_offsets,
         decode=batch.decode,
     )  # [T, D]
-    out: torch.Tensor = _attr(module, "out_proj", nn.Module)(c * u)  # [T, D]
+    out: torch.Tensor = module_attr(module, "out_proj", nn.Module)(c * u)  # [T, D]
     return out[None]  # [1, T, D]
 
 
