@@ -46,7 +46,19 @@ def snapshot(bm: BlockManager, *contexts: TextContext) -> dict[str, Any]:
         "metrics": bm.metrics,
         "contexts": ctx_state,
         "partial": bm._partial.state() if getattr(bm, "_partial", None) is not None else None,
+        "states": _states(getattr(bm, "states", None)),
     }
+
+
+def _states(states: Any) -> Any:
+    """The state rows pool, checkpoints and pending copies of a coordinator (None without state groups)."""
+    if states is None:
+        return None
+    rows = states.rows
+    return (
+        rows.free_order(), list(rows._ref), list(rows._hash), sorted(states._entries), list(states._copies),
+        list(states._page_copies), dict(states._restoring).keys(), states.num_saved, states.num_hits,
+    )  # fmt: skip
 
 
 def _request_state(st: Any) -> tuple[Any, ...]:
@@ -55,7 +67,7 @@ def _request_state(st: Any) -> tuple[Any, ...]:
         tables = [t.pages[: t.num_pages].tolist() for t in st.tables]
         return (
             tables, list(st.dropped), st.committed, list(st.hashes), st.digest, st.dummy, st.ready, st.next_drop,
-            st.shared, list(st.pinned),
+            st.shared, list(st.pinned), st.state_at, st.cut,
         )  # fmt: skip
     return (st.pages[: st.num_pages].tolist(), st.committed, list(st.hashes), st.digest, st.dummy)
 

@@ -97,19 +97,22 @@ def _bench_parsers() -> dict[str, argparse.ArgumentParser]:
 def test_state_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "state.json"
     argv = ["bench", "state", "--hidden", "32", "--batch", "2", "--prompt", "8", "--new-tokens", "3", "--repeats", "1",
-            "--dtypes", "fp32", "--json", str(path)]  # fmt: skip
+            "--dtypes", "fp32", "--turn-prompt", "24", "--json", str(path)]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     result = json.loads(path.read_text())
-    # Qwen3.5-9B's shapes: 24 GDN layers of 8192 * 3 * 2 + 32 * 128 * 128 * 4 bytes, 8 full layers of 4096 B/token;
-    # pages of 528 tokens (vLLM's figure), groups of 8 layers: 3 state pages + ceil(tokens / 528) attention pages
-    page_id_bytes = 8 * 528 * 4096
+    # Qwen3.5-9B's shapes: 24 GDN layers of 8192 * 3 * 2 + 32 * 128 * 128 * 4 bytes, 8 full layers of 4096 B/token.
+    # pagedkv: pages of 16 tokens for the attention layers, one state row for every GDN layer (no padding);
+    # vLLM's layout: blocks of 528 tokens, groups of 8 layers: 3 state pages + ceil(tokens / 528) attention pages
+    state_row = 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
     for row in result["memory"]:
-        assert row["attention_block"] == 528
-        assert row["hybrid_bytes"] == (3 + -(-row["tokens"] // 528)) * page_id_bytes
+        assert row["hybrid_bytes"] == -(-row["tokens"] // 16) * 16 * 8 * 4096 + state_row == row["hybrid_content_bytes"]
+        assert row["vllm_attention_block"] == 528 and row["state_rows"] == 1
+        assert row["vllm_layout_bytes"] == (3 + -(-row["tokens"] // 528)) * 8 * 528 * 4096
         assert row["all_full_bytes"] == 32 * row["tokens"] * 4096
-        assert row["hybrid_content_bytes"] == 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4) + 8 * row["tokens"] * 4096
-    assert "| 32,768 | 1089.0 MiB | 1073.1 MiB | 4096.0 MiB | 0.266 | 528 tokens |" in out
+    assert "| 32,768 | 1073.1 MiB | 1073.1 MiB | 1089.0 MiB (528-token blocks) | 4096.0 MiB | 0.262 |" in out
+    warm = result["warm_turn"]  # 25 prompt tokens + 3 generated + 32: resumed after 25 + 3 - 1
+    assert warm["turn_prompt_tokens"] == 60 and warm["cached_tokens"] == 27 and warm["same_outputs"]
     (fp32,) = result["throughput"]
     assert fp32["dtype"] == "fp32" and fp32["requests"] == 2 and fp32["engine_decode_tokens_per_second"] > 0
 

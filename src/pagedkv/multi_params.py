@@ -38,6 +38,7 @@ _SHARED = (
     ("enable_partial_page_reuse", "enable_partial_page_reuse"),
     ("commit_on_alloc", "commit_on_alloc"),
     ("weights_version", "weights_version"),
+    ("max_state_checkpoints", "max_state_checkpoints"),
 )
 
 
@@ -160,6 +161,11 @@ class MultiKVCacheParams(KVCacheParamInterface):
     def enable_partial_page_reuse(self) -> bool:
         """Copy-on-write reuse of a cached last partial page (shared)."""
         return self._first().enable_partial_page_reuse
+
+    @property
+    def max_state_checkpoints(self) -> int | None:
+        """State checkpoints kept for prefix hits (shared by every cache)."""
+        return self._first().max_state_checkpoints
 
     @property
     def protected_fraction(self) -> float:

@@ -132,6 +132,8 @@ class KVCacheParamInterface:
         @property
         def enable_partial_page_reuse(self) -> bool: ...
         @property
+        def max_state_checkpoints(self) -> int | None: ...
+        @property
         def bytes_per_block(self) -> int: ...
         @property
         def bytes_per_token(self) -> int: ...
@@ -207,6 +209,9 @@ class KVCacheParams(KVCacheParamInterface):
     commit_on_alloc: bool = False  # pages a step will fill are hittable from `alloc` (vLLM's schedule-time caching)
     weights_version: str | None = None  # folded into every hash chain's root (`set_weights_version` changes it live)
     nonfinite_kv: str = "pass"  # NaN/inf in stored KV: "pass" (stored as is) or "reject" (ValueError, nothing stored)
+    max_state_checkpoints: int | None = (
+        None  # recurrent-state checkpoints kept for prefix hits (None: 2 per batch slot)
+    )
 
     def __post_init__(self) -> None:
         self._validate_scalars()
@@ -226,6 +231,8 @@ class KVCacheParams(KVCacheParamInterface):
             raise ValueError(f"kv_hash_algo={self.kv_hash_algo!r} must be one of {HASH_ALGOS}")
         object.__setattr__(self, "kv_hash_seed", normalize_hash_seed(self.kv_hash_seed, resolve_default=True))
         check_weights_version(self.weights_version)
+        if self.max_state_checkpoints is not None:
+            check_int("max_state_checkpoints", self.max_state_checkpoints, 0, INT32_MAX)
         if self.nonfinite_kv not in NONFINITE_KV:
             raise ValueError(f"nonfinite_kv={self.nonfinite_kv!r} must be one of {NONFINITE_KV}")
         tp = self.tensor_parallel_degree

@@ -59,7 +59,8 @@ class StateCacheParams(KVCacheParams):
             raise ValueError("a state group has no attention fields (is_mla, is_cross_attention, windows, chunks)")
         if self.state_spec.mamba_cache_mode != "none":
             raise ValueError(f"state_spec.mamba_cache_mode={self.state_spec.mamba_cache_mode!r}: pagedkv keeps one "
-                             "live state per request ('none'); vLLM's 'align' checkpoints are not served")  # fmt: skip
+                             "live state per request ('none') and its own token-granular state checkpoints "
+                             "(KVCacheParams.max_state_checkpoints), not vLLM's block-aligned ones")  # fmt: skip
         if self.kvcache_quant_config is not None:
             raise ValueError("a state group is not FP8-quantized (kvcache_quant_config must be None)")
         super().__post_init__()

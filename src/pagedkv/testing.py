@@ -118,7 +118,15 @@ class PrefixStampModel:
             pos = torch.arange(end)  # [end]
             pages, slots = lut[pos // ps], pos % ps  # [end], [end]
             assert not (pages[cached:] == pool.null_block).any(), f"{ctx.request_id!r}: an active position is null"
-            shared = [p for p in set(pages[cached:].tolist()) if pool.ref_count(p) != 1]
+            # a state checkpoint's tail references the page that holds it: slots past the tail stay writable
+            states = getattr(self.manager._managers[replica], "states", None)
+            tails = states.tail_lengths() if states is not None else {}
+            refs = states.tail_refs() if states is not None else {}
+            written = list(zip(pages[cached:].tolist(), slots[cached:].tolist(), strict=True))
+            assert all(slot >= tails.get(page, 0) for page, slot in written), (
+                f"{ctx.request_id!r} writes into a state checkpoint's tail"
+            )
+            shared = [p for p in {p for p, _ in written} if pool.ref_count(p) - refs.get(p, 0) != 1]
             # (commit_on_alloc: a request admitted in this step may already share the pages this one fills)
             assert same_step or not shared, f"{ctx.request_id!r} writes into shared pages {shared}"
             active = values[cached:].view(-1, 1, 1, 1)  # [active, 1, 1, 1]

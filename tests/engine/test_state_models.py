@@ -18,6 +18,7 @@ import pytest
 import torch
 from state_models import STATE_MODELS, build_state_model
 
+from pagedkv.core import memory
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.managers import manager_for, min_request_pages
 from pagedkv.engine import LLMEngine
@@ -81,8 +82,11 @@ def test_state_model_matches_one_full_forward(model_type: str) -> None:
     assert summary["state_layers"] == sum(leaf.num_layers for leaf in state_leaves) > 0
     expected = sum(leaf.num_layers * leaf.spec.state_content_size_bytes for leaf in state_leaves)
     assert summary["state_bytes_per_request"] == expected  # one slot per layer, no draft slots
-    assert summary["state_pages_per_request"] == len(state_leaves)
-    assert summary["preemptions"] == 0 and engine.manager.num_free_blocks() == engine.manager.total_num_pages
+    assert summary["state_rows_per_request"] == 1  # one row holds every state layer's state
+    assert summary["state_rows"] == 32 + 64  # a live row per batch slot + the default checkpoints (2 per slot)
+    assert summary["state_checkpoints"] == 2 * len(batch)  # each prompt's end and each release
+    held = len(engine.manager._managers[0].states.tail_refs())  # pages that hold checkpoints' tails
+    assert summary["preemptions"] == 0 and engine.manager.num_free_blocks() == engine.manager.total_num_pages - held
 
 
 @pytest.mark.parametrize("model_type", sorted(STATE_MODELS))
@@ -93,7 +97,7 @@ def test_state_model_recomputes_its_state_after_preemption(model_type: str) -> N
     ref = copy.deepcopy(model)
     leaves = kv_layout(model.config, model=model, page_size=4).params.leaves()
     groups = [manager_for(g, leaf.kv_cache_spec) for g, leaf in enumerate(leaves)]
-    ps = leaves[0].page_size  # the attention page grows until a page holds a layer's state
+    ps = leaves[0].page_size
     g = torch.Generator().manual_seed(11)
     lengths = [ps - 2, 2 * ps - 1, ps + 1, 2 * ps - 2]  # the first one fills its page after two tokens
     batch = [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
@@ -103,41 +107,22 @@ def test_state_model_recomputes_its_state_after_preemption(model_type: str) -> N
     )
     admitted = sum(min_request_pages(groups, n, 1) for n in lengths[:2])
     engine = LLMEngine.from_hf(
-        model, page_size=4, num_pages=max(single, admitted), max_num_batched_tokens=4 * ps, record_logits=True
-    )
+        model, page_size=4, num_pages=max(1, single, admitted), max_num_batched_tokens=4 * ps, record_logits=True
+    )  # (a model of state layers only takes no attention page: one placeholder)
     requests = run(engine, batch)
     check_parity(model_type, ref, batch, requests)
     if any(manager.state_slots == 0 for manager in groups):  # attention pages grow: someone was preempted
         assert engine.summary["preemptions"] > 0, model_type
 
 
-HYBRIDS = sorted(t for t in STATE_MODELS if t not in ("mamba", "mamba2"))  # models whose attention pages grow
-
-
-@pytest.mark.parametrize("model_type", HYBRIDS)
-def test_state_model_swaps_its_state_out_and_back(model_type: str) -> None:
-    """Swap preemption with a host tier: the preempted request's pages, state slots included, go to host
-    rows and come back bit for bit; the tokens and logits are the same as one full forward."""
-    model = build_state_model(model_type, seed=3)
-    ref = copy.deepcopy(model)
-    leaves = kv_layout(model.config, model=model, page_size=4).params.leaves()
-    groups = [manager_for(g, leaf.kv_cache_spec) for g, leaf in enumerate(leaves)]
-    ps = leaves[0].page_size
-    g = torch.Generator().manual_seed(13)
-    lengths = [ps - 2, 2 * ps - 1, ps + 1]
-    batch = [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
-    single = max(min_request_pages(groups, len(p), NEW_TOKENS) for p in batch)
-    admitted = sum(min_request_pages(groups, n, 1) for n in lengths[:2])
-    engine = LLMEngine.from_hf(
-        model, page_size=4, num_pages=max(single, admitted), max_num_batched_tokens=4 * ps, record_logits=True,
-        kv_connector="local", host_kvcache_swap_space_gb=1, total_num_host_pages=64,
-    )  # fmt: skip
-    assert engine.preemption_mode == "swap"
-    requests = run(engine, batch)
-    check_parity(model_type, ref, batch, requests)
-    assert engine.summary["swaps"] > 0, model_type
-    assert engine.manager.get_num_used_host_pages() == 0  # every lent row came back
-    engine.manager.close()
+def test_state_models_refuse_tiers_below_the_device() -> None:
+    """State checkpoints stay on the device: a host, disk or Redis connector is refused before the model
+    changes (a preempted request resumes from its on-device checkpoint instead of a swap)."""
+    model = build_state_model("bamba")
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match="kv_connector=local: models with recurrent state"):
+        LLMEngine.from_hf(model, page_size=4, num_pages=32, kv_connector="local", host_kvcache_swap_space_gb=1)
+    assert model.config._attn_implementation == before
 
 
 def test_a_state_spec_that_does_not_match_the_model_is_refused_untouched() -> None:
@@ -196,27 +181,31 @@ def test_a_step_that_fails_midway_is_recomputed_not_replayed_on_moved_states(mod
         engine.step()  # every layer but the last has moved its states on by one token
     handle.remove()
     assert not engine.scheduler.running and all(r.ctx.tokens.processed_length == 0 for r in requests)
-    assert engine.manager.num_free_blocks() == engine.manager.total_num_pages  # every slot released
+    tails = len(engine.manager._managers[0].states.tail_refs())  # prompt-end checkpoints hold their tails
+    assert engine.manager.num_free_blocks() == engine.manager.total_num_pages - tails  # every slot released
     engine.run()
     check_parity(model_type, ref, batch, requests)
 
 
-def test_a_memory_budget_buys_arena_rows_and_leaves_room_for_the_slots() -> None:
-    """A hybrid model's groups alias one arena row per page id: a budget buys budget // row pages (not
-    budget // the sum of every group's page); a sequence cap counts each request's state slots."""
+def test_a_memory_budget_pays_for_the_state_rows_then_buys_attention_pages() -> None:
+    """The attention page keeps its size; a budget first pays for the state rows (a live row per batch slot
+    and `max_state_checkpoints`), then buys budget // page attention pages."""
     model = build_state_model("qwen3_5_text")
     params = kv_layout(model.config, model=model, page_size=4).params
-    row = max(leaf.bytes_per_block_per_device for leaf in params.leaves())
-    engine = LLMEngine.from_hf(model, page_size=4, memory_budget=100 * row + 5)
-    assert engine.manager.total_num_pages == 100
-    (arena,) = engine.manager.get_device_buffer(0).to_memory()  # one TP shard: one arena
-    assert arena.buffer.shape == (101, row)  # 100 pages + the null page, each one row
-    slots = len(params.leaves()) - 1  # three state groups, one attention group
-    manager = PagedKVCacheManager.from_memory_budget(params, 1 << 30, max_batch_size=2, max_seq_len=16)
-    pages_per_seq = -(-16 // params.page_size) + slots
-    assert manager.total_num_pages == 2 * pages_per_seq
-    with pytest.raises(InsufficientBlocksError, match=f"one page of {params.page_size} tokens takes {row} bytes"):
-        LLMEngine.from_hf(build_state_model("qwen3_5_text"), page_size=4, memory_budget=row - 1)
+    assert params.page_size == 4  # no growth to a state's size
+    page = memory.pool_page_bytes(params)
+    row = memory.state_row_bytes(params)
+    assert row == sum(-(-leaf.bytes_per_block_per_device // 8) * 8 for leaf in params.leaves()
+                      if isinstance(leaf, StateCacheParams))  # fmt: skip
+    engine = LLMEngine.from_hf(model, page_size=4, memory_budget=(4 + 3) * row + 100 * page + 5, max_batch_size=4,
+                               max_state_checkpoints=3)  # fmt: skip
+    assert engine.manager.total_num_pages == 100 and engine.manager.num_state_rows == 4 + 3
+    (arena,) = engine.manager.get_device_buffer(0).to_memory()  # one TP shard: one attention arena
+    assert arena.buffer.shape == (101, page)  # 100 pages + the null page
+    assert engine.manager.get_device_buffer(0).state_arenas[0].shape == (8, row)  # 7 rows + the null row
+    with pytest.raises(InsufficientBlocksError, match="cannot hold the 7 state rows"):
+        LLMEngine.from_hf(build_state_model("qwen3_5_text"), page_size=4, memory_budget=7 * row - 1,
+                          max_batch_size=4, max_state_checkpoints=3)  # fmt: skip
 
 
 def test_a_copy_of_a_served_model_runs_its_own_mixers() -> None:

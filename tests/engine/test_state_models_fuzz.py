@@ -1,10 +1,12 @@
 """Random workloads on state models: prompt lengths, token budgets, pool sizes and preemption modes drawn
 by hypothesis; every request's tokens and logits must equal one full forward of transformers.
 
-Each example serves 2-6 prompts of 1-40 tokens with 1-12 new tokens, a token budget of 1-24 per step,
-the smallest pool any one request fits plus 0-4 pages (mostly none, so requests are preempted), by recompute or by swap (host rows), adding
-half of the requests after a few steps (continuous batching). At the end no page is in use and no
-host row is lent. `PAGEDKV_FUZZ_EXAMPLES` sets the number of examples per model type (default 6).
+Each example serves 2-6 prompts of 1-40 tokens (after a shared prefix of 0-23 tokens, so state checkpoints
+hit) with 1-12 new tokens, a token budget of 1-24 per step, the smallest pool any one request fits plus 0-4
+pages (mostly none, so requests are preempted and resume from their checkpoints), prefix caching on or off,
+adding half of the requests after a few steps (continuous batching). At the end only checkpoints' tails hold
+pages, and none once the prefix cache is reset. `PAGEDKV_FUZZ_EXAMPLES` sets the number of examples per model
+type (default 6).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ workload = st.fixed_dictionaries({
     "new_tokens": st.lists(st.integers(1, 12), min_size=6, max_size=6),
     "budget": st.integers(1, 24),
     "slack": st.sampled_from([0, 0, 0, 1, 4]),
-    "swap": st.booleans(),
+    "caching": st.booleans(),
+    "shared": st.lists(st.integers(3, 127), max_size=23),
     "late": st.integers(0, 4),
 })  # fmt: skip
 
@@ -54,16 +57,15 @@ workload = st.fixed_dictionaries({
 def test_random_workloads_match_one_full_forward(model_type: str, w: dict) -> None:
     ref = _model(model_type)
     model = copy.deepcopy(ref)
-    prompts, new = w["prompts"], w["new_tokens"][: len(w["prompts"])]
+    prompts, new = [w["shared"] + p for p in w["prompts"]], w["new_tokens"][: len(w["prompts"])]
     leaves = kv_layout(model.config, model=model, page_size=4).params.leaves()
     groups = [manager_for(g, leaf.kv_cache_spec) for g, leaf in enumerate(leaves)]
     pages = max(
         max(min_request_pages(groups, len(p), n), min_request_pages(groups, len(p) + n - 1, 1))
         for p, n in zip(prompts, new, strict=True)
     )
-    host = dict(kv_connector="local", host_kvcache_swap_space_gb=1, total_num_host_pages=64) if w["swap"] else {}
     engine = LLMEngine.from_hf(model, page_size=4, num_pages=pages + w["slack"], max_num_batched_tokens=w["budget"],
-                               record_logits=True, **host)  # fmt: skip
+                               record_logits=True, enable_prefix_caching=w["caching"])  # fmt: skip
     half = len(prompts) // 2
     requests = [engine.add_request(p, n, stop_token_ids=[]) for p, n in zip(prompts[:half], new[:half], strict=True)]
     for _ in range(w["late"]):
@@ -74,6 +76,7 @@ def test_random_workloads_match_one_full_forward(model_type: str, w: dict) -> No
         expected = _reference(ref, prompt, request.output)  # [N, V]
         assert request.output == expected.argmax(-1).tolist()
         assert float((torch.stack(request.logits) - expected).abs().max()) <= TOLERANCE
-    assert engine.manager.num_free_blocks() == engine.manager.total_num_pages
-    assert engine.manager.get_num_used_host_pages() == 0
-    engine.manager.close()
+    states = engine.manager._managers[0].states
+    assert engine.manager.num_free_blocks() == engine.manager.total_num_pages - len(states.tail_refs())
+    engine.manager.reset_prefix_cache()
+    assert engine.manager.num_free_blocks() == engine.manager.total_num_pages and len(states) == 0

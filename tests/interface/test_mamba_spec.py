@@ -139,10 +139,11 @@ def test_runtime_inputs_give_each_state_group_its_slots() -> None:
     state = tree.children["group0"].inputs[0]
     assert type(state).__name__ == "StateCacheInputs"
     slots = state.state_slots[:, 0].tolist()
-    assert len(set(slots)) == 2 and 16 not in slots  # two distinct slots, neither the null page
+    assert manager.num_state_rows == 4  # a live row per batch slot (no checkpoints without prefix caching)
+    assert len(set(slots)) == 2 and 4 not in slots  # two distinct rows, neither the null row
     assert state.has_initial_state.tolist() == [False, False]
     conv, ssm = state.layer_states[0]
-    assert conv.shape == (17, 6, 3) and ssm.shape == (17, 2, 4, 8)  # 16 pages + the null page
+    assert conv.shape == (5, 6, 3) and ssm.shape == (5, 2, 4, 8)  # 4 state rows + the null row
     conv[slots[0]].fill_(1.0)
     ssm[slots[1]].fill_(2.0)  # a slot's bytes are its page's bytes: nothing else changes
     assert state.blocks[slots[0], 0].view(torch.float32)[: 6 * 3].eq(1.0).all()
@@ -173,7 +174,7 @@ def test_each_tp_shard_holds_its_share_of_every_state(replicated: bool) -> None:
     heads = 2 if replicated else 1
     for record in shards:
         conv, ssm = record.layer_states[0]
-        assert conv.shape == (9, rows, 3) and ssm.shape == (9, heads, 4, 8)
+        assert conv.shape == (3, rows, 3) and ssm.shape == (3, heads, 4, 8)  # 2 live rows + the null row
     slot = int(shards[0].state_slots[0, 0])
     shards[0].layer_states[0][1][slot].fill_(5.0)
     assert shards[1].layer_states[0][1][slot].eq(0).all()  # shards do not alias each other

@@ -4,14 +4,20 @@
    (Qwen3.5-9B's dimensions: 32 layers, 3 gated-delta-net : 1 full attention; GDN with 16 key heads
    and 32 value heads of 128, conv kernel 4, bf16 conv state, fp32 recurrent state; attention 4 KV
    heads x 256 in bf16), against the same model with every layer full attention. Measured in the
-   pool: the pages the request's `alloc` takes, times the bytes of a page id (`get_kv_cache_config`
-   groups the layers and grows the attention page until it holds a layer's state, as vLLM does).
-   The all-full model uses pages of 16 tokens. Bookkeeping only: no tensor is allocated.
+   pools: the attention pages (16 tokens) and state rows the request's `alloc` takes, times their
+   bytes (`core.memory`); beside it vLLM's layout of the same model (`get_kv_cache_config` groups the
+   layers and grows the attention block until a page holds a layer's state: 528 tokens). The all-full
+   model uses pages of 16 tokens. Bookkeeping only: no tensor is allocated.
 2. Decode throughput of `LLMEngine` on a random Qwen3.5-style hybrid (the `--hidden`-wide text model,
    3 : 1) against transformers' `generate()` on the same model and prompts (equal lengths, so no
    padding enters the recurrent state), greedy, fp32 and bf16, runs interleaved, best of `--repeats`:
    generated tokens after the first per second (the engine: the steps after its one prefill step;
    `generate()`: a full run minus a one-token run), and the prefill time of both.
+3. Time to first token of a warm conversation turn on the same model (fp32): a first turn of
+   `--turn-prompt` tokens generates `--new-tokens`, then the next turn (that conversation plus 32 new
+   tokens) runs on an engine with prefix caching (it resumes from the state checkpoint the first turn's
+   release saved) and on one without (it computes the whole conversation again); interleaved, best of
+   `--repeats`, each engine's first turn untimed.
 """
 
 from __future__ import annotations
@@ -22,13 +28,18 @@ import time
 from typing import Any
 
 from pagedkv.bench import report
+from pagedkv.core import memory
 from pagedkv.core.context import TextContext
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.interface import FullAttentionSpec, KVCacheSpec, MambaSpec, get_kv_cache_config
-from pagedkv.interface.bridge import params_from_kv_cache_config
 from pagedkv.manager.hybrid import make_block_manager
+from pagedkv.multi_params import MultiKVCacheParams
+from pagedkv.params import KVCacheParams
+from pagedkv.state_params import StateCacheParams
 
-__all__ = ["add_arguments", "command", "format_state_report", "memory_figures", "run_state_bench", "throughput"]
+__all__ = [
+    "add_arguments", "command", "format_state_report", "memory_figures", "run_state_bench", "throughput", "warm_turn",
+]  # fmt: skip
 
 TOKENS = (1024, 8192, 32768)
 LAYERS = 32
@@ -43,18 +54,35 @@ def _specs(hybrid: bool) -> dict[str, KVCacheSpec]:
     return {f"layer{i}": state if hybrid and i % 4 != 3 else attention for i in range(LAYERS)}
 
 
-def _request_bytes(specs: dict[str, KVCacheSpec], tokens: int) -> tuple[int, int, int]:
-    """(bytes the pool gives one request of `tokens` tokens, attention page in tokens, pages it holds)."""
-    config = get_kv_cache_config(specs, 1 << 50)
-    params = params_from_kv_cache_config(config, [DeviceRef.META()])
-    tree = params.leaves()[0] if len(config.kv_cache_groups) == 1 else params
-    pages = -(-tokens // tree.page_size) * len(config.kv_cache_groups) + len(config.kv_cache_groups)
-    bookkeeping = make_block_manager(tree, pages)
-    ctx = TextContext("r", list(range(tokens)))
+def _pagedkv_request_bytes(tokens: int) -> tuple[int, int]:
+    """(bytes pagedkv's pools give one request of `tokens` tokens of the hybrid, state rows it holds): pages
+    of 16 tokens for the 8 attention layers, one state row for the 24 GDN layers."""
+    specs = _specs(True)
+    attention = specs["layer3"]
+    state = specs["layer0"]
+    assert isinstance(attention, FullAttentionSpec) and isinstance(state, MambaSpec)
+    devices = [DeviceRef.META()]
+    tree = MultiKVCacheParams({
+        "attention": KVCacheParams(dtype=DType.bfloat16, n_kv_heads=4, head_dim=256, num_layers=LAYERS // 4,
+                                   devices=devices, page_size=16),
+        "state": StateCacheParams.from_spec(state, LAYERS - LAYERS // 4, devices, page_size=16),
+    })  # fmt: skip
+    bookkeeping = make_block_manager(tree, -(-tokens // 16), max_batch_size=1)
     bookkeeping.claim("r")
-    bookkeeping.alloc(ctx)
-    used = bookkeeping.metrics.used_pages
-    return used * config.bytes_per_block, tree.page_size, used
+    bookkeeping.alloc(TextContext("r", list(range(tokens))))
+    rows = memory.state_slots_per_request(tree)
+    used = bookkeeping.metrics.used_pages * memory.pool_page_bytes(tree) + rows * memory.state_row_bytes(tree)
+    return used, rows
+
+
+def _request_bytes(specs: dict[str, KVCacheSpec], tokens: int) -> tuple[int, int, int]:
+    """(bytes vLLM's layout gives one request of `tokens` tokens, attention block in tokens, pages it holds):
+    `get_kv_cache_config`'s groups, one page per state group and ceil(tokens / block) per attention group,
+    each page id costing `bytes_per_block` (every group's page side by side)."""
+    config = get_kv_cache_config(specs, 1 << 50)
+    block = next(g.kv_cache_spec.block_size for g in config.kv_cache_groups)
+    pages = sum(1 if isinstance(g.kv_cache_spec, MambaSpec) else -(-tokens // block) for g in config.kv_cache_groups)
+    return pages * config.bytes_per_block, block, pages
 
 
 def memory_figures() -> list[dict[str, Any]]:
@@ -62,11 +90,13 @@ def memory_figures() -> list[dict[str, Any]]:
     rows = []
     state_content = sum(s.state_content_size_bytes for s in _specs(True).values() if isinstance(s, MambaSpec))
     for tokens in TOKENS:
-        hybrid, block, pages = _request_bytes(_specs(True), tokens)
+        hybrid, state_rows = _pagedkv_request_bytes(tokens)
+        vllm, block, pages = _request_bytes(_specs(True), tokens)
         full, _, _ = _request_bytes(_specs(False), tokens)
         content = state_content + (LAYERS // 4) * tokens * 4 * 256 * 2 * 2
-        rows.append({"tokens": tokens, "hybrid_bytes": hybrid, "all_full_bytes": full, "hybrid_content_bytes": content,
-                     "attention_block": block, "hybrid_pages": pages, "ratio": hybrid / full})  # fmt: skip
+        rows.append({"tokens": tokens, "hybrid_bytes": hybrid, "state_rows": state_rows, "vllm_layout_bytes": vllm,
+                     "all_full_bytes": full, "hybrid_content_bytes": content, "vllm_attention_block": block,
+                     "vllm_pages": pages, "ratio": hybrid / full})  # fmt: skip
     return rows
 
 
@@ -135,14 +165,48 @@ def throughput(hidden: int, batch: int, prompt: int, new: int, repeats: int, dty
             "same_outputs": same, "requests": batch}  # fmt: skip
 
 
+def warm_turn(hidden: int, turn_prompt: int, new: int, repeats: int) -> dict[str, Any]:
+    """TTFT of a conversation's second turn, resumed from a state checkpoint vs computed again (fp32)."""
+    import torch
+
+    from pagedkv.engine import LLMEngine
+
+    base = _model(hidden, torch.float32)
+    g = torch.Generator().manual_seed(2)
+    first = torch.randint(3, 1024, (turn_prompt,), generator=g).tolist()
+    extra = torch.randint(3, 1024, (32,), generator=g).tolist()
+    engines = {
+        caching: LLMEngine.from_hf(copy.deepcopy(base), page_size=16, num_pages=4 * (turn_prompt + new + 64) // 16,
+                                   max_batch_size=2, max_num_batched_tokens=turn_prompt + new + 64,
+                                   enable_prefix_caching=caching)
+        for caching in (True, False)
+    }  # fmt: skip
+    best = {True: float("inf"), False: float("inf")}
+    cached, outputs = {}, {}
+    for r in range(repeats):
+        for caching, engine in engines.items():
+            opening = engine.add_request(first + [3 + r], new, stop_token_ids=[])  # (a new conversation per repeat)
+            engine.run()
+            turn = engine.add_request(first + [3 + r] + opening.output + extra, 4, stop_token_ids=[])
+            engine.run()
+            assert turn.ttft is not None
+            best[caching] = min(best[caching], turn.ttft)
+            cached[caching], outputs[caching] = turn.cached_tokens, turn.output
+    return {"turn_prompt_tokens": turn_prompt + 1 + new + len(extra), "cached_tokens": cached[True],
+            "warm_ttft_seconds": best[True], "recompute_ttft_seconds": best[False],
+            "ttft_ratio": best[True] / best[False], "same_outputs": outputs[True] == outputs[False]}  # fmt: skip
+
+
 def run_state_bench(hidden: int = 256, batch: int = 8, prompt: int = 64, new: int = 32, repeats: int = 3,
-                    dtypes: tuple[str, ...] = ("fp32", "bf16")) -> dict[str, Any]:  # fmt: skip
-    """Both parts: the memory rows and one throughput row per dtype."""
+                    dtypes: tuple[str, ...] = ("fp32", "bf16"), turn_prompt: int = 1024) -> dict[str, Any]:  # fmt: skip
+    """All three parts: the memory rows, one throughput row per dtype and the warm turn."""
     return {
         "memory": memory_figures(),
         "throughput": [throughput(hidden, batch, prompt, new, repeats, d) for d in dtypes],
-        "setup": {"hidden": hidden, "batch": batch, "prompt": prompt, "new_tokens": new, "repeats": repeats},
-    }
+        "warm_turn": warm_turn(hidden, turn_prompt, new, repeats),
+        "setup": {"hidden": hidden, "batch": batch, "prompt": prompt, "new_tokens": new, "repeats": repeats,
+                  "turn_prompt": turn_prompt},
+    }  # fmt: skip
 
 
 def format_state_report(r: dict[str, Any]) -> str:
@@ -152,15 +216,22 @@ def format_state_report(r: dict[str, Any]) -> str:
         "KV + state bytes per request, Qwen3.5-9B-shaped hybrid (24 GDN + 8 full layers) vs all 32 layers full:",
         "",
         *report.table(
-            ["tokens", "hybrid (pool)", "hybrid content", "all full", "hybrid / all full", "attention page"],
+            [
+                "tokens",
+                "hybrid (pagedkv)",
+                "hybrid content",
+                "hybrid (vLLM's layout)",
+                "all full",
+                "pagedkv hybrid / all full",
+            ],
             [
                 (
                     f"{m['tokens']:,}",
                     f"{m['hybrid_bytes'] / mib:.1f} MiB",
                     f"{m['hybrid_content_bytes'] / mib:.1f} MiB",
+                    f"{m['vllm_layout_bytes'] / mib:.1f} MiB ({m['vllm_attention_block']}-token blocks)",
                     f"{m['all_full_bytes'] / mib:.1f} MiB",
                     f"{m['ratio']:.3f}",
-                    f"{m['attention_block']} tokens",
                 )
                 for m in r["memory"]
             ],
@@ -191,6 +262,32 @@ def format_state_report(r: dict[str, Any]) -> str:
                 for t in r["throughput"]
             ],
         ),  # fmt: skip
+        "",
+        f"Time to first token of a warm conversation turn (same model, fp32, a first turn of "
+        f"{r['setup']['turn_prompt'] + 1} prompt tokens + {r['setup']['new_tokens']} generated, then 32 more "
+        f"tokens), best of {r['setup']['repeats']}:",
+        "",
+        *report.table(
+            [
+                "turn prompt tokens",
+                "resumed from checkpoint",
+                "TTFT, checkpoint",
+                "TTFT, recompute",
+                "checkpoint / recompute",
+                "same outputs",
+            ],
+            [
+                (
+                    w["turn_prompt_tokens"],
+                    w["cached_tokens"],
+                    f"{1e3 * w['warm_ttft_seconds']:.1f} ms",
+                    f"{1e3 * w['recompute_ttft_seconds']:.1f} ms",
+                    f"{w['ttft_ratio']:.3f}",
+                    w["same_outputs"],
+                )
+                for w in [r["warm_turn"]]
+            ],
+        ),  # fmt: skip
     ]
     return "\n".join(lines)
 
@@ -213,10 +310,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per side; the best is kept")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"], help="model dtypes")
+    p.add_argument("--turn-prompt", type=int, default=1024, help="first-turn prompt tokens of the warm-turn TTFT")
 
 
 def command(args: argparse.Namespace) -> int:
     """`pagedkv bench state`: print both tables, write --json / --plots."""
-    result = run_state_bench(args.hidden, args.batch, args.prompt, args.new_tokens, args.repeats, tuple(args.dtypes))
+    result = run_state_bench(args.hidden, args.batch, args.prompt, args.new_tokens, args.repeats, tuple(args.dtypes),
+                             args.turn_prompt)  # fmt: skip
     report.finish(args, format_state_report(result), result, plots)
     return 0

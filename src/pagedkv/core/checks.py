@@ -60,13 +60,20 @@ def check_tables(pool: BlockPool, reqs: Mapping[Hashable, RequestPages], partial
 
 
 def check_hybrid_tables(
-    pool: BlockPool, groups: Sequence[GroupManager], reqs: Mapping[Hashable, HybridRequest], caching: bool
+    pool: BlockPool,
+    groups: Sequence[GroupManager],
+    reqs: Mapping[Hashable, HybridRequest],
+    caching: bool,
+    extra: Counter[int] | None = None,
 ) -> None:
     """Raise `IntegrityError` unless every request's table in every group agrees with the pool: a null
     entry only where a window group dropped a page, committed entries cached under the request's hash in
-    that group, the others private and unhashed, and the pool's references and live pins match the tables."""
+    that group, the others private and unhashed, and the pool's references and live pins match the tables.
+    `extra`: references held outside the tables (state checkpoints' tail pages). State groups' entries are
+    rows of another pool (`StateCheckpoints.check`): only their count is checked here."""
     null, stamp = pool.null_block, pool.stamp
-    holders: Counter[int] = Counter()
+    extra = extra or Counter()
+    holders: Counter[int] = Counter(extra)
     pins: Counter[int] = Counter()
     for rid, st in reqs.items():
         pins.update(p for p, s in st.pinned if stamp(p) == s)
@@ -78,10 +85,12 @@ def check_hybrid_tables(
                  f"request {rid!r}: committed={st.committed} exceeds its hashes")  # fmt: skip
         for g, (gm, table) in enumerate(zip(groups, st.tables, strict=True)):
             pages = table.pages[: table.num_pages].tolist()
-            holders.update(p for p in pages if p != null)
             _require(not (st.dummy and pages), f"dummy request {rid!r} holds pages")
-            _require(not gm.state_slots or len(pages) in (0, gm.state_slots),
-                     f"{rid!r} state group {g} holds {len(pages)} slots, not {gm.state_slots}")  # fmt: skip
+            if gm.state_slots:
+                _require(len(pages) in (0, gm.state_slots),
+                         f"{rid!r} state group {g} holds {len(pages)} slots, not {gm.state_slots}")  # fmt: skip
+                continue
+            holders.update(p for p in pages if p != null)
             for i, page in enumerate(pages):
                 if page == null:
                     _require(gm.lazy and gm.kept_pages() <= i < st.dropped[g], f"{rid!r} group {g} entry {i} is null")
@@ -94,6 +103,6 @@ def check_hybrid_tables(
                     _require(pool.block_hash(page) == st.hashes[i] and pool.group_of(page) == g,
                              f"{rid!r} group {g} page {i} ({page}) is not cached under its hash")  # fmt: skip
                 else:
-                    _require(pool.block_hash(page) is None and pool.ref_count(page) == 1,
+                    _require(pool.block_hash(page) is None and pool.ref_count(page) == 1 + extra[page],
                              f"{rid!r} group {g} private page {page} is shared or hashed")  # fmt: skip
     pool.check_integrity(holders, pins)

@@ -20,6 +20,10 @@ atomic alloc, tail-first release) and adds, per group:
   pages (otherwise the caller preempts). Pages never dropped below `shared`
   (a hit or a merged commit) stay held outright.
 
+Recurrent state groups (`MambaManager`) take rows of a second pool that also
+keeps state checkpoints (`checkpoints.StateCheckpoints`, `state_hits`): their
+hits need a checkpoint exactly at the resume point.
+
 The structure is vLLM's `KVCacheCoordinator`: the coordinator owns one
 `BlockPool`, one page-policy manager per group (`managers.GroupManager`,
 chosen by the group's spec) and every request's tables
@@ -29,23 +33,26 @@ which keeps the same lifecycle with one table per request.
 
 from __future__ import annotations
 
-import dataclasses
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
+from pagedkv.core import hybrid_state
 from pagedkv.core.block_pool import BlockPool
+from pagedkv.core.checkpoints import Checkpoint, StateCheckpoints, StateCopy
 from pagedkv.core.checks import check_hybrid_tables, check_manager_args
 from pagedkv.core.context import RequestID, TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.errors import require as _require
-from pagedkv.core.events import BlockHooks
+from pagedkv.core.events import BlockHooks, BlockRemoved, EventSink
 from pagedkv.core.hashing import BlockHash, PrefixHasher
 from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, SwappedGroups, find_hit, release_order
 from pagedkv.core.managers import GroupManager
 from pagedkv.core.metrics import KVCacheMetrics
+from pagedkv.core.partial_pages import PageCopy
+from pagedkv.core.state_hits import find_state_hit, release_rows, save_state
 from pagedkv.core.tables import (
     BatchTables,
     RequestPages,
-    assemble_tables,
     check_batch,
     claimed_state,
     claimed_states,
@@ -72,10 +79,15 @@ class KVCacheCoordinator:
         eviction_policy: str = "lru",
         protected_fraction: float = 0.25,
         evict_leaves_first: bool = False,
+        num_state_rows: int = 0,
     ) -> None:
         check_manager_args(page_size, enable_prefix_caching, num_speculative_tokens, hash_seed, evict_leaves_first)
-        # a state slot is updated in place: a cached prefix has no state to resume from, so nothing hits
-        enable_prefix_caching = enable_prefix_caching and not any(g.state_slots for g in groups)
+        slots = {g.state_slots for g in groups if g.state_slots}
+        if len(slots) > 1:
+            raise ValueError(f"every state group must have the same slots per request, got {sorted(slots)}")
+        if slots and (type(num_state_rows) is not int or num_state_rows < max(slots)):
+            raise ValueError(f"num_state_rows={num_state_rows!r} must be an int >= {max(slots)} (one request's "
+                             "live and draft state slots) for a model with recurrent state")  # fmt: skip
         self.pool = BlockPool(num_blocks, enable_prefix_caching, len(groups), eviction_policy, protected_fraction,
                               evict_leaves_first)  # fmt: skip
         self.page_size = page_size
@@ -92,6 +104,12 @@ class KVCacheCoordinator:
         self._windowed = [g for g in self.groups if g.lazy]
         self._decoder_ids = [g.group for g in self._decoder]
         self._cacheable_ids = [g.group for g in self.groups if g.cacheable]
+        self._state_ids = [g.group for g in self.groups if g.state_slots]
+        self.states: StateCheckpoints | None = None  # state rows and checkpoints (models with recurrent state)
+        if slots:
+            self.states = StateCheckpoints(num_state_rows, max(slots), self.pool, page_size,
+                                           enabled=enable_prefix_caching, eviction_policy=eviction_policy)  # fmt: skip
+            self.states.groups = tuple(self._state_ids)
 
     def claim(self, request_id: object, *, dummy: bool = False) -> None:
         """Start tracking `request_id` (no pages yet). A dummy maps to the null page only."""
@@ -110,6 +128,9 @@ class KVCacheCoordinator:
         if st is None:
             raise ValueError(f"Attempted to release request ID {request_id!r} but it is not claimed")
         del self._reqs[request_id]
+        if self.states is not None:
+            release_rows(self.states, self.hasher, st, request_id, self._decoder_ids, self._state_ids[0],
+                         self.enable_prefix_caching)  # fmt: skip
         self.pool.unpin(st.pinned)
         pages, held = release_order(self.groups, self.pool, st)
         self.pool.release(pages, held)
@@ -133,15 +154,21 @@ class KVCacheCoordinator:
             and tokens._processed < st.next_drop
         ):
             self._input_tokens += 1
+            st.state_at = -1  # the forward pass moves the live state on
             return
         hst = self._claimed(ctx.request_id)
         decoding = tokens._end - tokens._processed == 1 and tokens._end == tokens._len
         if decoding and self._decode_step(hst, tokens._len, tokens._processed):
             return
         plan = self._plan_alloc(hst, ctx, num_scheduled_tokens)
+        if plan.rows:
+            assert self.states is not None
+            self.states.check_rows(plan.rows, plan.checkpoint, ctx.request_id)
         need = sum(plan.new)
         if need:
             available = self._available(hst, plan)
+            if need > available and self.states is not None and self.states.reclaim(need - available, plan.checkpoint):
+                available = self._available(hst, plan)  # checkpoints gave their tails' pages back
             if need > available:
                 raise InsufficientBlocksError(
                     f"Cannot get {need} free blocks for request {ctx.request_id!r} (only {available} available; "
@@ -170,18 +197,38 @@ class KVCacheCoordinator:
         hit_pages: list[list[int]] = [[] for _ in self.groups]
         pins: list[int] = []
         new_keys: list[BlockHash] = []
-        if self.enable_prefix_caching and tokens.active_length > 1 and st.num_pages == st.committed:
+        checkpoint: Checkpoint | None = None
+        cut = -1
+        states = self.states
+        fresh = states is not None and not st.tables[self._state_ids[0]].num_pages  # no live state rows yet
+        if (
+            self.enable_prefix_caching
+            and tokens.active_length > 1
+            and st.num_pages == st.committed
+            and (states is None or (fresh and tokens.processed_length == 0))  # a state resumes from its start only
+        ):
             stop = (min(len(tokens), tokens.current_position) - 1) // ps
-            if stop > st.committed:
+            if stop > st.committed or (states is not None and len(tokens) > 1):
                 new_keys, digest = more_keys(self.hasher, st, ctx, stop)
-                hit, hit_pages, pins = find_hit(self.groups, self.pool, st, [*st.hashes, *new_keys], stop)
-        processed = max(tokens.processed_length, hit * ps)
+                keys = [*st.hashes, *new_keys]
+                hit, hit_pages, pins = find_hit(self.groups, self.pool, st, keys, stop)
+                if states is not None:
+                    # the attention pages' hit: where a cached prefix diverges from this one (a model of state
+                    # layers only has no page to tell where: it saves at prompt ends and releases only)
+                    cut = hit * ps if self._cacheable_ids else -1
+                    root = self.hasher.root(ctx.cache_salt)
+                    checkpoint, hit, hit_pages, pins = find_state_hit(states, self.groups, self.pool, st, ctx, keys,
+                                                                      stop, root)  # fmt: skip
+        tail = 0 if checkpoint is None else len(checkpoint.tail)
+        processed = max(tokens.processed_length, hit * ps + tail)
+        if cut <= processed or cut >= len(tokens):
+            cut = -1
         drops, new = [], []
         for g, gm in enumerate(self.groups):
             have = st.tables[g].num_pages + len(hit_pages[g])
-            if gm.state_slots:  # the live state and draft slots, from the first alloc to the release
+            if gm.state_slots:  # rows of the state pool (`StateCheckpoints`), counted in `rows` below
                 drops.append((0, 0))
-                new.append(gm.state_slots - have)
+                new.append(0)
                 continue
             if gm.reads_encoder:
                 drops.append((0, 0))
@@ -195,7 +242,8 @@ class KVCacheCoordinator:
             drops.append((keep, max(st.dropped[g], keep, min(gm.droppable_pages(processed), have))))
             end = tokens.current_position if scheduled is None else min(tokens.current_position, processed + scheduled)
             new.append(max(0, required_pages(end + spec, ps) - have))
-        return Plan(hit, hit_pages, new_keys, digest, drops, new, pins)
+        rows = states.slots if fresh and states is not None else 0
+        return Plan(hit, hit_pages, new_keys, digest, drops, new, pins, checkpoint, rows, cut)
 
     def _evictable_hits(self, plan: Plan) -> int:
         null = self.pool.null_block
@@ -207,6 +255,7 @@ class KVCacheCoordinator:
             st.hashes.extend(plan.new_keys)
             st.digest = plan.digest
         processed = tokens.processed_length
+        hit = plan.checkpoint
         if plan.hit > st.committed:
             for g, pages in enumerate(plan.hit_pages):
                 self.pool.touch(p for p in pages if p != null)
@@ -214,9 +263,20 @@ class KVCacheCoordinator:
             st.pinned.extend(self.pool.pin(plan.pins, reused=True))
             st.committed = plan.hit
             st.shared = max(st.shared, plan.hit)
-            skip = plan.hit * ps - processed
+        if plan.rows:  # the live and draft state rows (a hit's checkpoint held first: no eviction takes it)
+            assert self.states is not None
+            if hit is not None:
+                self.states.hold(hit)
+            rows = self.states.allocate(plan.rows)
+            for g in self._state_ids:
+                st.tables[g].append(rows)
+        skip = plan.hit * ps + (0 if hit is None else len(hit.tail)) - processed
+        if skip > 0:
             tokens.skip_processing(skip)
             self._cache_tokens += skip
+        st.state_at = -1  # the forward pass moves the live state on
+        if plan.cut > 0:
+            st.cut = plan.cut
         if processed == 0:
             ctx.cached_prefix_length = tokens.processed_length
         self._input_tokens += tokens.active_length
@@ -232,6 +292,10 @@ class KVCacheCoordinator:
         for g, n in enumerate(plan.new):
             if n:
                 st.tables[g].append(self._take(st, n))
+        if hit is not None:  # state row -> live row; the tail's slots -> this request's page `plan.hit`
+            assert self.states is not None
+            tails = [int(st.tables[g].pages[plan.hit]) for g in self._decoder_ids] if len(hit.tail) else []
+            self.states.restore(ctx.request_id, hit, int(st.tables[self._state_ids[0]].pages[0]), tails)
         self._refresh(st)
 
     def _refresh(self, st: HybridRequest) -> None:
@@ -321,6 +385,7 @@ class KVCacheCoordinator:
                     i += need - table.num_pages
             st.ready = need * ps  # every decoder table now holds `need` pages or more
         self._input_tokens += 1
+        st.state_at = -1
         return True
 
     def _drop(self, st: HybridRequest, processed: int) -> None:
@@ -355,12 +420,21 @@ class KVCacheCoordinator:
             n_commit = min(tokens._processed, tokens._len - 1) // ps
             if n_commit > st.committed:
                 self._commit_groups(st, ctx, n_commit)
+            if self.states is not None and st.tables[self._state_ids[0]].num_pages:
+                st.ctx = ctx
+                at = st.state_at = tokens._processed  # the step's forward pass left the live state here
+                if at == st.cut or at == tokens._prompt_length:  # a divergence point; a prompt's end
+                    save_state(self.states, self.hasher, st, ctx, at, self._decoder_ids, self._state_ids[0],
+                               in_place=False)  # fmt: skip
 
     def _commit_groups(self, st: HybridRequest, ctx: TextContext, n_commit: int) -> None:
         if n_commit > len(st.hashes):
             keys, st.digest = more_keys(self.hasher, st, ctx, n_commit)
             st.hashes.extend(keys)
         null, commit, lo = self.pool.null_block, self.pool.commit, st.committed
+        if self.hooks.emit is not None:
+            for g in self._cacheable_ids:
+                self.hooks.committed(st.hashes, lo, n_commit, ctx.tokens.all, self.page_size, g, self.groups[g].kind)
         for g in self._cacheable_ids:
             table = st.tables[g]
             hi = min(n_commit, table.num_pages)
@@ -380,13 +454,12 @@ class KVCacheCoordinator:
     def swap_snapshot(self, request_id: RequestID) -> tuple[list[int], SwappedGroups]:
         """Every page the request holds (group by group, table order) and its `SwappedGroups`. No side effects."""
         st = self._claimed(request_id)
-        null = self.pool.null_block
-        tables = [t.pages[: t.num_pages].tolist() for t in st.tables]
-        record = SwappedGroups(
-            tuple(tuple(p != null for p in table) for table in tables), tuple(st.dropped), st.committed, st.shared,
-            tuple(st.hashes), st.digest,
-        )  # fmt: skip
-        return [p for table in tables for p in table if p != null], record
+        if self.states is not None:
+            raise ValueError(
+                f"request {request_id!r}: a model with recurrent state is not swapped; preempt it by release: its "
+                "state is kept as a checkpoint and its next admission resumes from it"
+            )
+        return hybrid_state.snapshot_request(st, self.pool.null_block)
 
     def swap_restore(self, ctx: TextContext, record: SwappedGroups) -> list[tuple[int, int]]:
         """Claim ``ctx.request_id`` again with tables shaped as before the swap, every live entry a
@@ -400,6 +473,8 @@ class KVCacheCoordinator:
             )
         if len(record.live) != len(self.groups):
             raise ValueError(f"record has {len(record.live)} groups, this coordinator {len(self.groups)}")
+        if self.states is not None:
+            raise ValueError("a model with recurrent state is not swapped (see swap_snapshot)")
         pool, need = self.pool, record.num_pages
         available = pool.num_free - pool.num_protected
         if need > available:
@@ -410,13 +485,7 @@ class KVCacheCoordinator:
                 available=available,
             )
         fresh = pool.allocate(need) if need else []
-        st = HybridRequest([RequestPages() for _ in self.groups], list(record.dropped))
-        taken = iter(fresh)
-        for table, live in zip(st.tables, record.live, strict=True):
-            if live:
-                table.append([next(taken) if alive else pool.null_block for alive in live])
-        st.hashes, st.digest, st.shared = list(record.hashes), record.digest, record.shared
-        self._reqs[ctx.request_id] = st
+        st = self._reqs[ctx.request_id] = hybrid_state.restore_request(record, fresh, pool.null_block)
         self._refresh(st)
         return list(enumerate(fresh))
 
@@ -434,7 +503,15 @@ class KVCacheCoordinator:
         if st is None:
             raise ValueError(f"request {request_id!r} is not claimed")
         table = st.tables[group]
-        return [self.pool.null_block] if st.dummy else table.pages[: table.num_pages].tolist()
+        return [self._null(group)] if st.dummy else table.pages[: table.num_pages].tolist()
+
+    def _null(self, group: int) -> int:
+        """The null page of `group`'s pool (the state rows' own for a state group)."""
+        return (
+            self.states.rows.null_block
+            if self.states is not None and group in self._state_ids
+            else self.pool.null_block
+        )
 
     def pages_needed(self, ctx: TextContext) -> tuple[int, int]:
         """(new pages net of drops, evictable hit pages) that `alloc(ctx)` would take. No side effects."""
@@ -446,28 +523,9 @@ class KVCacheCoordinator:
         """One `BatchTables` per group. Cross-attention tables hold the encoder's pages and lengths;
         their `max_prompt_length` is the decoder's query length. No side effects."""
         states: list[HybridRequest] = check_batch(self._reqs, batch)
-        ps, spec = self.page_size, self.num_speculative_tokens
-        out = []
-        for g, gm in enumerate(self.groups):
-            rows, lengths, ends = [], [], []
-            for ctx, st in zip(batch, states, strict=True):
-                tokens = ctx.tokens
-                if gm.reads_encoder:  # queries attend the encoder's tokens, all of them already stored
-                    cached = end = slots = ctx.encoder_length
-                else:
-                    cached, end = tokens.processed_length, tokens.current_position
-                    slots = (end if gm.lazy else len(tokens)) + spec
-                pages = gm.state_slots or required_pages(slots, ps)  # a state group: its slots, any length
-                rows.append((ctx.request_id, st.tables[g], 0 if st.dummy else pages))
-                lengths.append(cached)
-                ends.append(end)
-            cap = None if gm.state_slots else max_cache_length  # (a state table's width is its slots)
-            tables = assemble_tables(rows, lengths, ends, ps, self.pool.null_block, cap)
-            if gm.reads_encoder:  # the queries are the decoder's: its longest active window
-                queries = max((c.tokens.current_position - c.tokens.processed_length for c in batch), default=0)
-                tables = dataclasses.replace(tables, max_prompt_length=queries)
-            out.append(tables)
-        return out
+        nulls = [self._null(g) for g in range(len(self.groups))]
+        return hybrid_state.group_tables(self.groups, states, batch, self.page_size, self.num_speculative_tokens, nulls,
+                            max_cache_length)  # fmt: skip
 
     def build_tables(self, batch: list[TextContext], max_cache_length: int | None = None) -> BatchTables:
         """The tables of group 0 (use `build_group_tables` for every group)."""
@@ -488,8 +546,31 @@ class KVCacheCoordinator:
         self._evictions_at_reset = self.pool.num_evictions
 
     def reset_prefix_cache(self) -> int:
-        """Drop every evictable, unpinned cached page of every group; returns how many."""
-        return self.pool.reset_prefix_cache()
+        """Drop every evictable, unpinned cached page of every group and every state checkpoint nobody
+        is restoring (their tail pages with them); returns how many pages and checkpoints."""
+        dropped = self.states.reset() if self.states is not None else 0
+        return dropped + self.pool.reset_prefix_cache()
+
+    # ----------------------------------------------------------------- state checkpoints
+    def checkpoint_cut(self, request_id: RequestID) -> int | None:
+        """The token position at which `request_id` saves a state checkpoint because a cached prefix
+        diverges from it there (set by `alloc`; None when there is none). A scheduler ends a prefill
+        chunk exactly there so the state at that position exists; `step` then saves it."""
+        st = self._claimed(request_id)
+        return st.cut if st.cut > 0 else None
+
+    def set_event_sink(self, emit: EventSink | None) -> None:
+        """Send KV events to `emit` (None: stop): pages committed or evicted in each cacheable group and
+        state checkpoints (one event per state group, kind "mamba"), with group index and spec kind."""
+        self.hooks.emit = emit
+        self.pool.on_removed = None if emit is None else (lambda h, g: emit(BlockRemoved([h], "GPU", g)))
+        if self.states is not None:
+            self.states.emit = emit
+
+    def take_state_copies(self) -> tuple[list[StateCopy], list[PageCopy]]:
+        """Pending data moves of state checkpoints, in order (saves, restores' rows and tail slots); the
+        owner of the buffers runs them before the next forward pass (`StateCheckpoints.take`)."""
+        return self.states.take() if self.states is not None else ([], [])
 
     def check_claimed(self, request_id: RequestID) -> None:
         """ValueError unless `request_id` is claimed and not a dummy (what `alloc` and `step` need)."""
@@ -501,4 +582,9 @@ class KVCacheCoordinator:
 
     def check_integrity(self) -> None:
         """Raise `IntegrityError` unless pool, prefix caches and every group's tables agree."""
-        check_hybrid_tables(self.pool, self.groups, self._reqs, self.enable_prefix_caching)
+        extra = self.states.tail_refs() if self.states is not None else Counter[int]()
+        check_hybrid_tables(self.pool, self.groups, self._reqs, self.enable_prefix_caching, extra)
+        if self.states is not None:
+            live = Counter(p for st in self._reqs.values() for g in self._state_ids[:1]
+                           for p in st.tables[g].pages[: st.tables[g].num_pages].tolist())  # fmt: skip
+            self.states.check(live)

@@ -38,6 +38,7 @@ class BlockStored:
     block_size: int
     medium: str = "GPU"
     group_idx: int = 0
+    kv_cache_spec_kind: str | None = None  # vLLM's `KVCacheSpecKind` value ("full_attention", "mamba", ...)
 
 
 @dataclass(frozen=True)
@@ -108,11 +109,15 @@ class BlockHooks:
     emit: EventSink | None = None
     offloads: list[tuple[BlockHash | None, list[BlockHash]]] | None = None
 
-    def committed(self, hashes: list[BlockHash], first: int, stop: int, tokens: Any, page_size: int) -> None:
-        """Pages [first, stop) of a request were committed (`tokens`: the request's token array)."""
+    def committed(
+        self, hashes: list[BlockHash], first: int, stop: int, tokens: Any, page_size: int, group: int = 0,
+        kind: str | None = None,
+    ) -> None:  # fmt: skip
+        """Pages [first, stop) of a request were committed in `group` (`tokens`: the request's token array;
+        `kind`: the group's spec kind, given for models of several groups)."""
         parent = hashes[first - 1] if first else None
         if self.offloads is not None:
             self.offloads.append((parent, hashes[first:stop]))
         if self.emit is not None:
             ids = [int(t) for t in tokens[first * page_size : stop * page_size]]
-            self.emit(BlockStored(hashes[first:stop], parent, ids, page_size))
+            self.emit(BlockStored(hashes[first:stop], parent, ids, page_size, "GPU", group, kind))

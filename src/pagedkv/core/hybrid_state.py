@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedkv.core.block_pool import BlockPool
+from pagedkv.core.context import TextContext
 from pagedkv.core.hashing import BlockHash
 from pagedkv.core.managers import GroupManager
-from pagedkv.core.tables import RequestPages
+from pagedkv.core.tables import BatchTables, RequestPages, assemble_tables, required_pages
 
-__all__ = ["FAR", "HybridRequest", "Plan", "SwappedGroups", "find_hit", "prefix_misses", "release_order"]
+__all__ = [
+    "FAR", "HybridRequest", "Plan", "SwappedGroups", "find_hit", "group_tables", "prefix_misses", "release_order", "restore_request",
+    "snapshot_request",
+]  # fmt: skip
 
 FAR = 1 << 62  # a token position no request reaches
 
@@ -29,6 +35,9 @@ class HybridRequest:
     dummy: bool = False
     ready: int = 0  # token slots every decoder group holds pages for (decode fast path)
     next_drop: int = FAR  # processed position at which some group drops its next page
+    state_at: int = -1  # token position the live state rows hold (-1: being moved by a forward pass)
+    cut: int = -1  # token position at which to save a state checkpoint (a cached prefix diverges there)
+    ctx: Any = None  # the context of its last step (its tokens key a checkpoint saved at release)
 
     @property
     def num_pages(self) -> int:
@@ -55,6 +64,27 @@ class SwappedGroups:
         return sum(sum(entries) for entries in self.live)
 
 
+def snapshot_request(st: HybridRequest, null: int) -> tuple[list[int], SwappedGroups]:
+    """Every page `st` holds (group by group, table order) and the `SwappedGroups` that rebuilds it."""
+    tables = [t.pages[: t.num_pages].tolist() for t in st.tables]
+    record = SwappedGroups(
+        tuple(tuple(p != null for p in table) for table in tables), tuple(st.dropped), st.committed, st.shared,
+        tuple(st.hashes), st.digest,
+    )  # fmt: skip
+    return [p for table in tables for p in table if p != null], record
+
+
+def restore_request(record: SwappedGroups, fresh: list[int], null: int) -> HybridRequest:
+    """A request shaped as `record`, each live entry one of `fresh` (in snapshot order), nothing committed."""
+    st = HybridRequest([RequestPages() for _ in record.live], list(record.dropped))
+    taken = iter(fresh)
+    for table, live in zip(st.tables, record.live, strict=True):
+        if live:
+            table.append([next(taken) if alive else null for alive in live])
+    st.hashes, st.digest, st.shared = list(record.hashes), record.digest, record.shared
+    return st
+
+
 @dataclass(frozen=True, eq=False)
 class Plan:
     """What one `alloc` will do, computed before anything changes."""
@@ -66,6 +96,9 @@ class Plan:
     drops: list[tuple[int, int]]  # per group: entry range to null out
     new: list[int]  # per group: pages to allocate
     pins: list[int]  # cached pages of the hit out of the window: pinned, not held
+    checkpoint: Any = None  # the state checkpoint the hit resumes from (`checkpoints.Checkpoint`)
+    rows: int = 0  # state rows to allocate (live and draft slots)
+    cut: int = -1  # where a cached prefix diverges from this request (a checkpoint is saved there)
 
 
 def prefix_misses(pages: list[int | None]) -> list[int]:
@@ -77,15 +110,17 @@ def prefix_misses(pages: list[int | None]) -> list[int]:
 
 
 def release_order(groups: Sequence[GroupManager], pool: BlockPool, st: HybridRequest) -> tuple[list[int], list[bool]]:
-    """Every group's pages, deepest position first, groups interleaved; dropped window pages
-    still cached come along unheld, so they get the same recency as the rest of the prefix.
+    """Every attention group's pages (state rows are another pool's), deepest position first, groups
+    interleaved; dropped window pages still cached come along unheld, so they get the same recency as the rest of the prefix.
 
     LRU then evicts a prefix position in every group at about the same time: a window
     group never loses the pages a hit needs while the full group's pages of that prefix
     (useless without them) stay cached, which is how vLLM's hit rate collapses.
     """
     null, cached = pool.null_block, pool.cached_page
-    tables = [t.pages[: t.num_pages].tolist() for t in st.tables]
+    tables = [
+        [] if gm.state_slots else t.pages[: t.num_pages].tolist() for gm, t in zip(groups, st.tables, strict=True)
+    ]
     pages: list[int] = []
     held: list[bool] = []
     for i in range(max((len(t) for t in tables), default=0) - 1, -1, -1):
@@ -102,10 +137,16 @@ def release_order(groups: Sequence[GroupManager], pool: BlockPool, st: HybridReq
 
 
 def find_hit(
-    groups: Sequence[GroupManager], pool: BlockPool, st: HybridRequest, keys: list[BlockHash], stop: int
+    groups: Sequence[GroupManager],
+    pool: BlockPool,
+    st: HybridRequest,
+    keys: list[BlockHash],
+    stop: int,
+    accept: Callable[[int], bool] | None = None,
 ) -> tuple[int, list[list[int]], list[int]]:
     """Longest resume point in (committed, stop] valid for every cacheable group, each group's
-    entries (null out of the window), and the cached pages out of the window (to pin)."""
+    entries (null out of the window), and the cached pages out of the window (to pin). With
+    `accept`, the longest in [committed, stop] that `accept` also takes (a state checkpoint there)."""
     start, null = st.committed, pool.null_block
     runs: dict[int, list[int]] = {}
     top = stop
@@ -118,8 +159,8 @@ def find_hit(
     }
     misses = {g: prefix_misses(pages) for g, pages in found.items()}
     hit = start
-    for h in range(top, start, -1):
-        if all(_window_ok(groups[g], h, start, misses[g]) for g in found):
+    for h in range(top, start - (accept is not None), -1):
+        if all(_window_ok(groups[g], h, start, misses[g]) for g in found) and (accept is None or accept(h)):
             hit = h
             break
     entries: list[list[int]] = []
@@ -146,3 +187,33 @@ def _window_ok(gm: GroupManager, h: int, start: int, misses: list[int]) -> bool:
         return False
     kept = min(gm.kept_pages(), h)
     return kept <= start or misses[kept - start] == 0
+
+
+def group_tables(
+    groups: Sequence[GroupManager], states: Sequence[HybridRequest], batch: Sequence[TextContext], page_size: int,
+    spec: int, nulls: Sequence[int], max_cache_length: int | None,
+) -> list[BatchTables]:  # fmt: skip
+    """One `BatchTables` per group for `batch` (whose request states are `states`; `nulls[g]` is group g's
+    null page). Cross-attention tables hold the encoder's pages and lengths, their `max_prompt_length` the
+    decoder's query length; a state group's table holds its rows (its width: the slots, whatever the length)."""
+    out = []
+    for g, gm in enumerate(groups):
+        rows, lengths, ends = [], [], []
+        for ctx, st in zip(batch, states, strict=True):
+            tokens = ctx.tokens
+            if gm.reads_encoder:  # queries attend the encoder's tokens, all of them already stored
+                cached = end = slots = ctx.encoder_length
+            else:
+                cached, end = tokens.processed_length, tokens.current_position
+                slots = (end if gm.lazy else len(tokens)) + spec
+            pages = gm.state_slots or required_pages(slots, page_size)
+            rows.append((ctx.request_id, st.tables[g], 0 if st.dummy else pages))
+            lengths.append(cached)
+            ends.append(end)
+        cap = None if gm.state_slots else max_cache_length
+        tables = assemble_tables(rows, lengths, ends, page_size, nulls[g], cap)
+        if gm.reads_encoder:  # the queries are the decoder's: its longest active window
+            queries = max((c.tokens.current_position - c.tokens.processed_length for c in batch), default=0)
+            tables = dataclasses.replace(tables, max_prompt_length=queries)
+        out.append(tables)
+    return out

@@ -45,6 +45,7 @@ class GroupManager:
     cacheable = True  # takes part in prefix caching
     reads_encoder = False  # pages hold the encoder's tokens, written once (cross-attention)
     state_slots = 0  # > 0: pages hold recurrent states, this many per request whatever its length (`MambaManager`)
+    kind = "full_attention"  # vLLM's `KVCacheSpecKind` of the group (KV events carry it)
 
     def __init__(self, group: int, page_size: int) -> None:
         self.group = group
@@ -99,11 +100,14 @@ FullAttentionManager = GroupManager
 class MLAAttentionManager(GroupManager):
     """MLA: full attention over one latent per token (only the page format differs)."""
 
+    kind = "mla_attention"
+
 
 class SlidingWindowManager(GroupManager):
     """A query at q sees keys (q - W, q]: pages wholly before q - W + 1 go back to the pool."""
 
     lazy = True
+    kind = "sliding_window"
 
     def __init__(self, group: int, page_size: int, window: int) -> None:
         super().__init__(group, page_size)
@@ -131,6 +135,7 @@ class ChunkedLocalAttentionManager(GroupManager):
     """Llama 4 local attention: a query sees its own chunk; earlier chunks' pages go back to the pool."""
 
     lazy = True
+    kind = "chunked_local_attention"
 
     def __init__(self, group: int, page_size: int, chunk: int) -> None:
         super().__init__(group, page_size)
@@ -157,6 +162,8 @@ class ChunkedLocalAttentionManager(GroupManager):
 
 class SinkAttentionManager(SlidingWindowManager):
     """Sliding window that always keeps the first `sinks` tokens' pages (StreamingLLM)."""
+
+    kind = "sink_full_attention"
 
     def __init__(self, group: int, page_size: int, window: int, sinks: int) -> None:
         super().__init__(group, page_size, window)
@@ -191,18 +198,21 @@ class CrossAttentionManager(GroupManager):
 
     cacheable = False
     reads_encoder = True
+    kind = "cross_attention"
 
     def step_pages(self, start: int, end: int, length: int, spec: int = 0, encoder_length: int = 0) -> int:
         return -(-encoder_length // self.page_size)
 
 
 class MambaManager(GroupManager):
-    """Recurrent state (Mamba, gated delta net, short conv): a request holds `state_slots` pages of the
-    group (its live state and its draft slots) from its first `alloc` to its release, whatever its
-    length. A page is one state, updated in place each step, so it is never prefix-cached and a
-    request's table never grows or drops."""
+    """Recurrent state (Mamba, gated delta net, short conv): a request holds `state_slots` rows of the
+    state pool (its live state and its draft slots, `checkpoints.StateCheckpoints`) from its first
+    `alloc` to its release, whatever its length. A row is one state, updated in place each step, so the
+    group takes no attention page, its table never grows or drops, and prefix hits come from state
+    checkpoints, not from its pages."""
 
     cacheable = False
+    kind = "mamba"
 
     def __init__(self, group: int, page_size: int, slots: int = 1) -> None:
         super().__init__(group, page_size)
@@ -214,7 +224,7 @@ class MambaManager(GroupManager):
         return cls(group, spec.block_size, spec.slots_per_request)
 
     def step_pages(self, start: int, end: int, length: int, spec: int = 0, encoder_length: int = 0) -> int:
-        return self.state_slots
+        return 0  # (its rows come from the state pool)
 
 
 SPEC_MANAGERS: dict[type[KVCacheSpec], type[GroupManager]] = {

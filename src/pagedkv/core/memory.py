@@ -5,9 +5,11 @@
 
 `bytes_per_block` covers one page over a replica's whole TP group (FP8
 scales included; MLA counts every replicated copy), so the budget is the sum
-over all devices. A hybrid tree's groups alias one arena row per page id
-(`pool_page_bytes`: the largest group's page, not the sum), and each
-sequence also holds its state slots.
+over all devices. A hybrid tree's attention groups alias one arena row per
+page id (`pool_page_bytes`: the largest group's page, not the sum). Recurrent
+state lives in rows of its own (`state_row_bytes`: every state group's page,
+side by side), one set per running request plus the state checkpoints
+(`num_state_rows`); a budget pays for those rows first.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ __all__ = [
     "pool_page_bytes",
     "is_hybrid",
     "state_slots_per_request",
+    "state_row_bytes",
+    "num_state_rows",
+    "default_state_checkpoints",
     "compute_num_device_blocks",
     "compute_num_host_blocks",
     "estimated_memory_size",
@@ -49,20 +54,50 @@ def is_hybrid(params: KVCacheParamInterface) -> bool:
 _FULL = (FullAttentionManager, MLAAttentionManager)
 
 
+def _is_state(leaf: object) -> bool:
+    return hasattr(getattr(leaf, "kv_cache_spec", None), "slots_per_request")
+
+
 def pool_page_bytes(params: KVCacheParamInterface) -> int:
-    """Bytes one page id costs on a replica (all its TP shards): `bytes_per_block`, or for a hybrid tree
-    of several caches the arena row, the largest cache's page per device rounded up to `ROW_ALIGN`,
-    times the TP degree."""
+    """Bytes one attention page id costs on a replica (all its TP shards): `bytes_per_block`, or for a
+    hybrid tree of several caches the arena row, the largest attention cache's page per device rounded
+    up to `ROW_ALIGN`, times the TP degree (0 for a tree of state caches only)."""
     leaves = params.leaves()
-    if len(leaves) == 1 or not is_hybrid(params):
+    if len(leaves) == 1 and not _is_state(leaves[0]) or not is_hybrid(params):
         return params.bytes_per_block
-    row = max(leaf.bytes_per_block_per_device for leaf in leaves)
+    tokens = [leaf.bytes_per_block_per_device for leaf in leaves if not _is_state(leaf)]
+    row = max(tokens, default=0)
     return -(-row // ROW_ALIGN) * ROW_ALIGN * params.tensor_parallel_degree
 
 
 def state_slots_per_request(params: KVCacheParamInterface) -> int:
-    """Pages a running request holds in the state groups (its live and draft state slots), whatever its length."""
-    return sum(int(getattr(leaf.kv_cache_spec, "slots_per_request", 0)) for leaf in params.leaves())
+    """State rows a running request holds (its live and draft state slots), whatever its length."""
+    return max((int(getattr(leaf.kv_cache_spec, "slots_per_request", 0)) for leaf in params.leaves()), default=0)
+
+
+def state_row_bytes(params: KVCacheParamInterface) -> int:
+    """Bytes of one state row on a replica (all TP shards): every state cache's page per device, each
+    rounded up to `ROW_ALIGN`, side by side (0 without state caches)."""
+    per_device = sum(-(-leaf.bytes_per_block_per_device // ROW_ALIGN) * ROW_ALIGN
+                     for leaf in params.leaves() if _is_state(leaf))  # fmt: skip
+    return per_device * params.tensor_parallel_degree
+
+
+def default_state_checkpoints(max_batch_size: int) -> int:
+    """State checkpoints kept when `max_state_checkpoints` is None: two per request of a full batch."""
+    return 2 * max_batch_size
+
+
+def num_state_rows(params: KVCacheParamInterface, max_batch_size: int) -> int:
+    """State rows per replica: `max_batch_size` requests' live and draft slots, plus the checkpoints
+    (`max_state_checkpoints`, or `default_state_checkpoints`) when prefix caching is on (0 without state
+    caches)."""
+    slots = state_slots_per_request(params)
+    if not slots:
+        return 0
+    cap = getattr(params, "max_state_checkpoints", None)
+    checkpoints = default_state_checkpoints(max_batch_size) if cap is None else cap
+    return max_batch_size * slots + (checkpoints if params.enable_prefix_caching else 0)
 
 
 def compute_num_device_blocks(
@@ -79,7 +114,19 @@ def compute_num_device_blocks(
     """
     check_int("available_cache_memory", available_cache_memory, 0)
     dp, per_page = params.data_parallel_degree, pool_page_bytes(params)
-    allocable = (available_cache_memory // dp) // per_page
+    rows = num_state_rows(params, max_batch_size or 1)
+    state_bytes = rows * state_row_bytes(params)
+    if state_bytes and state_bytes > available_cache_memory // dp:
+        raise InsufficientBlocksError(
+            f"available_cache_memory={available_cache_memory} bytes over {dp} replica(s) cannot hold the "
+            f"{rows} state rows of {state_row_bytes(params)} bytes (live slots of max_batch_size={max_batch_size} "
+            "requests + max_state_checkpoints); lower them or raise the budget",
+            needed=rows,
+            available=(available_cache_memory // dp) // state_row_bytes(params),
+        )
+    if per_page == 0:  # state caches only: the attention pool is a placeholder
+        return 1
+    allocable = (available_cache_memory // dp - state_bytes) // per_page
     if allocable == 0:
         raise InsufficientBlocksError(
             f"Insufficient cache memory to allocate even a single page: {available_cache_memory} bytes over "
@@ -91,7 +138,7 @@ def compute_num_device_blocks(
     if max_batch_size is not None and max_seq_len is not None:
         check_int("max_batch_size", max_batch_size, 1)
         check_int("max_seq_len", max_seq_len, 1)
-        pages_per_seq = math.ceil(max_seq_len / params.page_size) + state_slots_per_request(params)
+        pages_per_seq = math.ceil(max_seq_len / params.page_size)
         blocks = min(allocable, pages_per_seq * max_batch_size)
         if pages_per_seq > allocable:
             logger.warning(
@@ -108,9 +155,10 @@ def estimated_memory_size(
     max_batch_size: int | None = None,
     max_seq_len: int | None = None,
 ) -> int:
-    """Bytes the device pages take over all replicas (never more than available or needed)."""
+    """Bytes the device pages and state rows take over all replicas (never more than available or needed)."""
     blocks = compute_num_device_blocks(params, available_cache_memory, max_batch_size, max_seq_len)
-    return blocks * pool_page_bytes(params) * params.data_parallel_degree
+    rows = num_state_rows(params, max_batch_size or 1) * state_row_bytes(params)
+    return (blocks * pool_page_bytes(params) + rows) * params.data_parallel_degree
 
 
 def compute_max_seq_len_fitting_in_cache(params: KVCacheParamInterface, available_cache_memory: int) -> int:

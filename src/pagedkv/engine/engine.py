@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedkv.core import memory
 from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.memory import pool_page_bytes
@@ -431,14 +432,19 @@ class LLMEngine:
         }  # fmt: skip
 
     def _state_summary(self) -> dict[str, int]:
-        """Recurrent-state memory per request: the specs' arithmetic (`MambaSpec.max_memory_usage_bytes` per
-        layer, summed) and the pool pages it occupies (one slot per state group, plus draft slots)."""
-        leaves = [leaf for leaf in self.manager.params.leaves() if isinstance(leaf, StateCacheParams)]
+        """Recurrent state: bytes per request (the specs' arithmetic, `MambaSpec.max_memory_usage_bytes` per
+        layer, summed), state rows a request holds (its live and draft slots), the bytes of one row (a live
+        state or a checkpoint, padded), the rows there are and the checkpoints kept now."""
+        params = self.manager.params
+        leaves = [leaf for leaf in params.leaves() if isinstance(leaf, StateCacheParams)]
         limits = SchedulerLimits(max_model_len=1)
         return {
             "state_layers": sum(leaf.num_layers for leaf in leaves),
             "state_bytes_per_request": sum(
                 leaf.num_layers * leaf.spec.max_memory_usage_bytes(limits) for leaf in leaves
             ),
-            "state_pages_per_request": sum(leaf.spec.slots_per_request for leaf in leaves),
+            "state_rows_per_request": memory.state_slots_per_request(params),
+            "state_row_bytes": memory.state_row_bytes(params),
+            "state_rows": self.manager.num_state_rows,
+            "state_checkpoints": self.manager.num_state_checkpoints(),
         }

@@ -72,6 +72,9 @@ class Scheduler:
 
     def _window(self, request: Request, budget: int) -> int:
         tokens = request.ctx.tokens
+        cut = self.manager.checkpoint_cut(request.request_id)  # a state checkpoint is due there (state models)
+        if cut is not None and tokens.processed_length < cut < tokens.processed_length + budget:
+            budget = cut - tokens.processed_length
         if tokens.active_length > budget:
             tokens.chunk(budget)
         return tokens.active_length

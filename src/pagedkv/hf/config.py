@@ -12,9 +12,10 @@ shapes differ (Gemma 4's full layers have a larger head) are separate groups,
 each with its own page shape over the one pool (`pagedkv.runtime.arena`).
 Recurrent mixers (`pagedkv.hf.mixers`) give state layers: each gets a `MambaSpec`
 from its mixer, the state groups (`StateCacheParams`) come after the attention
-groups, `state_map[i]` says which state group and slot layer i uses, and the
-attention page grows until a page holds a layer's state
-(`pagedkv.interface.unify_state_block_size`).
+groups, and `state_map[i]` says which state group and slot layer i uses. The
+attention page keeps `page_size`: state lives in rows of its own
+(`pagedkv.core.checkpoints`), so, unlike vLLM's hybrid allocator
+(`pagedkv.interface.unify_state_block_size`), no page grows to a state's size.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.hf.support import check_config, check_model, kv_shapes, state_modules
 from pagedkv.interface.bridge import params_from_kv_cache_config
-from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec, group_layer_specs, unify_state_block_size
+from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec, group_layer_specs
 from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams, KVCacheQuantizationConfig
 from pagedkv.specs import (
@@ -133,7 +134,7 @@ def kv_layout(
     spec_tokens = int(params_kwargs.get("num_eagle_speculative_tokens", 0) or 0)
     for i, spec in (_state_specs(model, dtype, page_size, spec_tokens) if model is not None else {}).items():
         specs[f"state{i}"] = spec
-    groups = group_layer_specs(unify_state_block_size(specs), by_shape=True)
+    groups = group_layer_specs(specs, by_shape=True)  # (state rows have their own pool: no page growth)
     devices = [device_ref(device or torch.device("cpu"))]
     extra: dict[str, Any] = dict(
         kvcache_quant_config=quantization, num_q_heads=getattr(config, "num_attention_heads", None)

@@ -1,10 +1,12 @@
 """How `PagedKVCacheManager` serves hybrid models (caches that are not all full attention).
 
 A model is hybrid when a cache keeps only some tokens (sliding window,
-chunked local, sinks) or is cross-attention. Then every cache (a child of a
-flat `MultiKVCacheParams`, or the single `KVCacheParams`) is a group with
-its own page table, all groups draw page ids from one pool
-(`KVCacheCoordinator`), and their buffers alias one arena per device.
+chunked local, sinks), is cross-attention or holds recurrent state. Then
+every cache (a child of a flat `MultiKVCacheParams`, or the single
+`KVCacheParams`) is a group with its own page table, the attention groups
+draw page ids from one pool (`KVCacheCoordinator`) and their buffers alias
+one arena per device; state groups share rows of a state pool and arena
+(live slots and checkpoints, `core.checkpoints`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.managers import manager_for
-from pagedkv.core.memory import is_hybrid
+from pagedkv.core.memory import is_hybrid, num_state_rows
 from pagedkv.core.tables import BatchTables
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params import KVCacheParams
@@ -50,8 +52,11 @@ def group_names(params: KVCacheParamInterface) -> list[str]:
     return list(params.children)
 
 
-def make_block_manager(params: KVCacheParamInterface, total_num_pages: int) -> ReplicaBookkeeping:
-    """A `BlockManager` (all full attention) or a `KVCacheCoordinator` with one group per cache.
+def make_block_manager(
+    params: KVCacheParamInterface, total_num_pages: int, max_batch_size: int = 1
+) -> ReplicaBookkeeping:
+    """A `BlockManager` (all full attention) or a `KVCacheCoordinator` with one group per cache (state
+    caches get `memory.num_state_rows(params, max_batch_size)` state rows).
 
     ValueError for ``enable_partial_page_reuse`` or ``commit_on_alloc`` on a hybrid model (the coordinator
     does not support them)."""
@@ -72,15 +77,17 @@ def make_block_manager(params: KVCacheParamInterface, total_num_pages: int) -> R
                              "sliding window, chunked, sinks or cross-attention caches)")  # fmt: skip
     group_names(params)  # validates the shape of the tree
     groups = [manager_for(g, leaf.kv_cache_spec) for g, leaf in enumerate(params.leaves())]
-    coordinator = KVCacheCoordinator(total_num_pages, params.page_size, groups, **kwargs)
+    rows = num_state_rows(params, max_batch_size)
+    coordinator = KVCacheCoordinator(total_num_pages, params.page_size, groups, num_state_rows=rows, **kwargs)
     coordinator.hasher.set_version(params.weights_version)
     return coordinator
 
 
-def allocate_buffers(params: KVCacheParamInterface, total_num_pages: int) -> list[Any]:
-    """Page buffers per replica: aliased arenas for a hybrid tree, the params' own allocation otherwise."""
+def allocate_buffers(params: KVCacheParamInterface, total_num_pages: int, state_rows: int = 0) -> list[Any]:
+    """Page buffers per replica: aliased arenas for a hybrid tree (and `state_rows` state rows, null row
+    included), the params' own allocation otherwise."""
     if isinstance(params, MultiKVCacheParams) and is_hybrid(params):
-        return allocate_arena_buffers(group_names(params), params.leaves(), total_num_pages)
+        return allocate_arena_buffers(group_names(params), params.leaves(), total_num_pages, state_rows)
 
     return params.allocate_buffers(total_num_pages)
 

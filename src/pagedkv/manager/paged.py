@@ -42,6 +42,7 @@ from pagedkv.ops.page_copy import copy_page_slots
 from pagedkv.params import BatchCharacteristics, KVConnectorType
 from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer
 from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs
+from pagedkv.runtime.state_buffers import StateCacheBuffer
 from pagedkv.runtime.transfer import tables_to_device
 from pagedkv.validation import check_weights_version
 
@@ -86,8 +87,11 @@ class PagedKVCacheManager:
         self.page_size = params.page_size
         self.num_replicas = params.data_parallel_degree
         self.hybrid = hybrid.is_hybrid(params)
-        self._managers = [hybrid.make_block_manager(params, total_num_pages) for _ in range(self.num_replicas)]
-        self._buffers = hybrid.allocate_buffers(params, total_num_pages + 1)
+        self._managers = [
+            hybrid.make_block_manager(params, total_num_pages, max_batch_size) for _ in range(self.num_replicas)
+        ]
+        self.num_state_rows = memory.num_state_rows(params, max_batch_size)  # live slots + state checkpoints
+        self._buffers = hybrid.allocate_buffers(params, total_num_pages + 1, self.num_state_rows + 1)
         self.tiers = Tiering(params, self._managers, self._buffers, total_num_host_pages)
         self.total_num_host_pages = self.tiers.host_pages
         self._swapped = SwappedRequests(self.tiers)
@@ -175,8 +179,9 @@ class PagedKVCacheManager:
         """Commit the pages each request has written since the last step (one batch per replica)."""
         checks.check_step(self._managers, batches)  # every replica's batch, before any commit
         self.tiers.before_step()
-        for bm, batch in zip(self._managers, batches, strict=True):
+        for r, (bm, batch) in enumerate(zip(self._managers, batches, strict=True)):
             bm.step_batch(batch)
+            self._apply_state_copies(r)  # checkpoints of this step's states, before the next forward moves them
             self._checked(bm)
         self.tiers.after_step()
 
@@ -187,6 +192,7 @@ class PagedKVCacheManager:
         if not bm.contains(request_id) and self._swapped.drop(request_id, replica_idx):
             return
         bm.release(request_id)
+        self._apply_state_copies(replica_idx)  # a checkpoint saved at release copies before anyone moves on
         self._checked(bm)
 
     @contextmanager
@@ -262,6 +268,8 @@ class PagedKVCacheManager:
         self.tiers.before_forward()
         bounds = batch_characteristics
         if self.hybrid:
+            for r in range(self.num_replicas):  # restored checkpoints land before the forward reads them
+                self._apply_state_copies(r)
             pairs = zip(self._managers, batches, strict=True)
             tables = [
                 [_bounded(t, bounds) for t in hybrid.replica_tables(bm, list(batch), max_cache_length)]
@@ -287,6 +295,37 @@ class PagedKVCacheManager:
                 copy_page_slots(tensor, copies)
             done += len(copies)
         return done
+
+    def _apply_state_copies(self, r: int) -> int:
+        """Run replica `r`'s pending state-checkpoint copies in order (`KVCacheCoordinator.take_state_copies`):
+        whole state rows on every shard, then the attention tail slots of restored checkpoints in every
+        attention group's buffers. Returns how many ran."""
+        bm = self._managers[r]
+        if not isinstance(bm, KVCacheCoordinator) or bm.states is None:
+            return 0
+        copies, pages = bm.take_state_copies()
+        buffer = self._buffers[r]
+        for src, dst in copies:  # in order: a restore may read the row a save just wrote
+            for arena in buffer.state_arenas:
+                arena[dst].copy_(arena[src])
+        if pages:
+            for child in buffer.children.values():
+                if not isinstance(child, StateCacheBuffer):
+                    for tensor in child.all_buffers:
+                        copy_page_slots(tensor, pages)
+        return len(copies) + len(pages)
+
+    def num_state_checkpoints(self, replica_idx: int = 0) -> int:
+        """Recurrent-state checkpoints the replica keeps now (0 for models without recurrent state)."""
+        bm = self._bm(replica_idx)
+        return len(bm.states) if isinstance(bm, KVCacheCoordinator) and bm.states is not None else 0
+
+    def checkpoint_cut(self, request_id: RequestID, replica_idx: int = 0) -> int | None:
+        """The token position at which the request saves a recurrent-state checkpoint (a cached prefix
+        diverges from it there), or None; a scheduler ends a prefill chunk exactly there. Always None
+        for models without recurrent state."""
+        bm = self._bm(replica_idx)
+        return bm.checkpoint_cut(request_id) if isinstance(bm, KVCacheCoordinator) else None
 
     def _device_tables(
         self, r: int, tables: BatchTables

@@ -54,6 +54,10 @@ class Tiering:
         if kind in (None, KVConnectorType.null):
             return
         hybrid = any(isinstance(bm, KVCacheCoordinator) for bm in managers)
+        if any(isinstance(bm, KVCacheCoordinator) and bm.states is not None for bm in managers):
+            raise ValueError(f"kv_connector={kind.value}: models with recurrent state (Mamba, gated delta net, "
+                             "short conv) keep state checkpoints on the device only; a preempted request "
+                             "resumes from its checkpoint there (leave kv_connector unset)")  # fmt: skip
         if hybrid and kind is not KVConnectorType.local:
             raise ValueError(f"kv_connector={kind.value}: tiers below the device do not support hybrid "
                              "(several KV cache groups) models yet; kv_connector=local gives them host "
@@ -159,6 +163,9 @@ class Tiering:
         """Call `listener(batch)` for every event batch from now on (device events switch on)."""
         self.listeners.append(listener)
         for bm, queue in zip(self.managers, self.queues, strict=True):
+            if isinstance(bm, KVCacheCoordinator):  # (every group, and state checkpoints)
+                bm.set_event_sink(queue.emit)
+                continue
             bm.hooks.emit = queue.emit
             bm.pool.on_removed = self._removed(queue)
 
@@ -174,6 +181,9 @@ class Tiering:
         self.listeners.remove(listener)
         if not self.listeners:
             for bm in self.managers:
+                if isinstance(bm, KVCacheCoordinator):
+                    bm.set_event_sink(None)
+                    continue
                 bm.hooks.emit = None
                 bm.pool.on_removed = None
 
@@ -183,7 +193,8 @@ class Tiering:
         for connector in self.connectors:
             connector.reset_prefix_cache()  # (`flush` runs staged loads before the host rows are cleared)
         for bm, queue in zip(self.managers, self.queues, strict=True):
-            if self.listeners and bm.pool.num_cached == 0:
+            states = bm.states if isinstance(bm, KVCacheCoordinator) else None
+            if self.listeners and bm.pool.num_cached == 0 and not states:
                 queue.drain()  # the individual removals are subsumed
                 queue.emit(AllBlocksCleared())
         self.after_step()

@@ -87,6 +87,7 @@ def wire_event(event: KVEvent, int_hashes: bool = True) -> dict[str, Any]:
             "medium": event.medium,
             "lora_name": None,
             "group_idx": event.group_idx,
+            **({} if event.kv_cache_spec_kind is None else {"kv_cache_spec_kind": event.kv_cache_spec_kind}),
         }
     if isinstance(event, BlockRemoved):
         return {
@@ -123,7 +124,8 @@ def decode_batch(payload: bytes, seq: int = -1) -> KVEventBatch:
         if kind == "BlockStored":
             events.append(BlockStored(list(raw["block_hashes"]), raw.get("parent_block_hash"),
                                       list(raw.get("token_ids", [])), int(raw["block_size"]),
-                                      raw.get("medium") or "GPU", raw.get("group_idx") or 0))  # fmt: skip
+                                      raw.get("medium") or "GPU", raw.get("group_idx") or 0,
+                                      raw.get("kv_cache_spec_kind")))  # fmt: skip
         elif kind == "BlockRemoved":
             events.append(
                 BlockRemoved(list(raw["block_hashes"]), raw.get("medium") or "GPU", raw.get("group_idx") or 0)

@@ -1,0 +1,303 @@
+"""State checkpoints: prefix-cache hits on models with recurrent state (pure Python + numpy).
+
+A recurrent layer (Mamba, gated delta net, short convolution) keeps one
+state per request and updates it in place, so a cached attention prefix is a
+hit only where a copy of the state *at its end* was kept. `StateCheckpoints`
+keeps those copies.
+
+Rows. State lives in its own pool of rows (a `BlockPool`; one row holds one
+request's state for every state layer, whatever the attention page size). A
+running request holds `slots` rows (its live state and its draft slots); the
+other rows hold checkpoints: free, cached rows that the pool's eviction policy
+(LRU, SLRU, ARC, LFU) takes back when a request needs a row or a newer
+checkpoint is saved. The pool's size is the cap on checkpoints the user sets
+(`KVCacheParams.max_state_checkpoints`, plus the live rows).
+
+Keys. A checkpoint at token position ``P = k * page_size + m`` (``0 <= m <
+page_size``) is indexed under the prefix-cache key of page ``k - 1`` (the
+chain's root for ``k = 0``, so salts and weights versions carry over) and its
+``m`` tail tokens; its pool key is SHA-256 of both. `find` takes the
+longest tail that equals the request's next tokens.
+
+Tails. When ``m > 0`` the checkpoint holds a reference on the page ``k`` of
+each attention group that wrote it: its first ``m`` slots are written and
+never rewritten (tables are append-only), so a hit copies them into the new
+request's own page ``k`` (`PageCopy`, copy-on-write) while the state row is
+copied into its live row (`StateCopy`). Evicting a checkpoint drops those
+references.
+
+Data moves on the tensor side: the owner of the buffers takes the pending
+copies (`take`) and runs them in order, saves before the forward pass that
+overwrites their source, restores before the one that reads their target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from pagedkv.core.block_pool import BlockPool
+from pagedkv.core.errors import InsufficientBlocksError
+from pagedkv.core.errors import require as _require
+from pagedkv.core.events import BlockRemoved, BlockStored, EventSink
+from pagedkv.core.hashing import BlockHash
+from pagedkv.core.partial_pages import PageCopy
+
+__all__ = ["Checkpoint", "StateCheckpoints", "StateCopy", "checkpoint_key"]
+
+ParentKey = Hashable
+"""The prefix-cache key of the page before a checkpoint's tail, or ``(root digest,)``."""
+
+
+class StateCopy(NamedTuple):
+    """Copy state row `src` into state row `dst` (every state layer, every shard)."""
+
+    src: int
+    dst: int
+
+
+class Checkpoint(NamedTuple):
+    """A kept state: its row, where it sits in the prefix chain, and its tail (see the module docstring)."""
+
+    row: int
+    parent: ParentKey
+    tail: np.ndarray  # int32 [m]: the tokens after the parent page, m < page_size
+    pages: tuple[int, ...]  # per attention group: the page holding the tail (empty when m == 0)
+    key: BlockHash
+
+
+def checkpoint_key(parent: ParentKey, tail: np.ndarray) -> bytes:
+    """SHA-256 of the parent key and the tail tokens (int32 little-endian)."""
+    head = parent[0] if isinstance(parent, tuple) else parent
+    raw = head if isinstance(head, bytes) else int(head).to_bytes(8, "big", signed=True)  # type: ignore[arg-type]
+    return hashlib.sha256(b"pagedkv-state\x00" + raw + np.ascontiguousarray(tail, dtype="<i4").tobytes()).digest()
+
+
+class StateCheckpoints:
+    """The state rows of one replica: live slots, checkpoints, their index and pending copies.
+
+    `token_pool` is the attention pages' pool (tails hold references on its pages);
+    `enabled` False keeps rows for live slots only (nothing is saved or found).
+    """
+
+    def __init__(
+        self, num_rows: int, slots: int, token_pool: BlockPool, page_size: int, *, enabled: bool,
+        eviction_policy: str = "lru",
+    ) -> None:  # fmt: skip
+        self.rows = BlockPool(num_rows, enabled, 1, eviction_policy, 0.0)
+        self.rows.on_uncached.append(self._forget)
+        self.slots = slots
+        self.enabled = enabled
+        self.token_pool = token_pool
+        self.page_size = page_size
+        self._entries: dict[int, Checkpoint] = {}  # row -> checkpoint
+        self._by_parent: dict[ParentKey, dict[int, None]] = {}  # parent -> rows (insertion-ordered set)
+        self._copies: list[StateCopy] = []
+        self._page_copies: list[PageCopy] = []
+        self._restoring: dict[Hashable, tuple[int, StateCopy, list[PageCopy]]] = {}  # request -> held row, copies
+        self.num_saved = 0
+        self.num_hits = 0
+        self.emit: EventSink | None = None  # KV events: a checkpoint stored / removed, once per state group
+        self.groups: tuple[int, ...] = (0,)  # the state groups' indices (events name each)
+
+    # ----------------------------------------------------------------- queries
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def find(self, parent: ParentKey, tokens: np.ndarray) -> Checkpoint | None:
+        """The checkpoint under `parent` whose tail equals ``tokens[:m]``, m largest (ties: the oldest).
+        `tokens` holds the candidate tail positions (at most ``page_size - 1``). No side effects."""
+        rows = self._by_parent.get(parent)
+        if not rows:
+            return None
+        best: Checkpoint | None = None
+        for row in rows:
+            entry = self._entries[row]
+            m = len(entry.tail)
+            if m <= len(tokens) and (best is None or m > len(best.tail)) and np.array_equal(entry.tail, tokens[:m]):
+                best = entry
+        return best
+
+    def num_available(self, hit: Checkpoint | None = None) -> int:
+        """Rows an allocation can take (free or holding an evictable checkpoint), the row of `hit`
+        excepted when it is free (a restore holds it)."""
+        free = self.rows.num_free
+        return free - (hit is not None and self.rows.ref_count(hit.row) == 0)
+
+    def check_rows(self, n: int, hit: Checkpoint | None, request_id: Hashable) -> None:
+        """`InsufficientBlocksError` unless `n` rows can be allocated once `hit` is held."""
+        available = self.num_available(hit)
+        if n > available:
+            raise InsufficientBlocksError(
+                f"Cannot get {n} state rows for request {request_id!r} (only {available} available of "
+                f"{self.rows.num_blocks}; every other row holds a running request's state)",
+                needed=n,
+                available=available,
+            )
+
+    # ----------------------------------------------------------------- rows
+    def allocate(self, n: int) -> list[int]:
+        """`n` rows for a request's live and draft slots (may evict checkpoints). The caller checked
+        `num_available`."""
+        return self.rows.allocate(n)
+
+    def free(self, rows: Sequence[int]) -> None:
+        """Give back a request's rows (a row converted by `save_in_place` stays as a checkpoint)."""
+        self.rows.free(rows)
+
+    # ----------------------------------------------------------------- saving
+    def save(self, src: int, parent: ParentKey, tail: np.ndarray, pages: Sequence[int]) -> bool:
+        """Keep a copy of live row `src` as the checkpoint (`parent`, `tail`), its tail on `pages`.
+        An existing checkpoint of that key is refreshed instead; with every row held, nothing is saved.
+        Queues ``StateCopy(src, row)``. Returns True when a new checkpoint was made."""
+        key = checkpoint_key(parent, tail)
+        existing = self.rows.cached_page(key)
+        if existing is not None or self.rows.num_free == 0:
+            self._refresh(existing)
+            return False
+        (row,) = self.rows.allocate(1)
+        self._add(row, parent, tail, pages, key)
+        self._copies.append(StateCopy(src, row))
+        self.rows.free((row,))
+        return True
+
+    def save_in_place(self, row: int, parent: ParentKey, tail: np.ndarray, pages: Sequence[int]) -> bool:
+        """Turn live row `row` (about to be freed by its request) into the checkpoint (`parent`, `tail`):
+        no copy. Returns True when a new checkpoint was made (else an existing one was refreshed)."""
+        key = checkpoint_key(parent, tail)
+        existing = self.rows.cached_page(key)
+        if existing is not None:
+            self._refresh(existing)
+            return False
+        self._add(row, parent, tail, pages, key)
+        return True
+
+    def _add(self, row: int, parent: ParentKey, tail: np.ndarray, pages: Sequence[int], key: bytes) -> None:
+        self.rows.commit(row, key)
+        self.token_pool.touch(pages)
+        self._entries[row] = Checkpoint(row, parent, np.array(tail, dtype=np.int32), tuple(pages), key)
+        self._by_parent.setdefault(parent, {})[row] = None
+        self.num_saved += 1
+        if self.emit is not None:
+            ids = [int(t) for t in tail]
+            head: BlockHash | None = None if isinstance(parent, tuple) else parent  # type: ignore[assignment]
+            for g in self.groups:
+                self.emit(BlockStored([key], head, ids, self.page_size, "GPU", g, "mamba"))
+
+    def _refresh(self, row: int | None) -> None:
+        if row is not None:  # a recency refresh, as a hit would give it
+            self.rows.touch((row,))
+            self.rows.free((row,))
+
+    def _forget(self, row: int) -> None:
+        """The pool uncached `row` (evicted or reset): drop its entry and its tail references."""
+        entry = self._entries.pop(row, None)
+        if entry is None:
+            return
+        rows = self._by_parent[entry.parent]
+        del rows[row]
+        if not rows:
+            del self._by_parent[entry.parent]
+        self.token_pool.free(entry.pages)
+        if self.emit is not None:
+            for g in self.groups:
+                self.emit(BlockRemoved([entry.key], "GPU", g))
+
+    def reclaimable(self, keep: Checkpoint | None = None) -> int:
+        """Attention pages only checkpoints hold (their tails) that evicting every checkpoint nobody restores
+        (`keep` excepted) would free. No side effects."""
+        refs: Counter[int] = Counter()
+        for row, entry in self._entries.items():
+            if entry.pages and self.rows.ref_count(row) == 0 and (keep is None or row != keep.row):
+                refs.update(entry.pages)
+        return sum(1 for page, n in refs.items() if self.token_pool.ref_count(page) == n)
+
+    def reclaim(self, n: int, keep: Checkpoint | None = None) -> bool:
+        """When at least `n` attention pages are `reclaimable`, evict checkpoints that hold tail pages, in
+        the rows' eviction order (`keep` and restored ones excepted), until `n` pages are freed, and return
+        True; else change nothing and return False (attention pages are short)."""
+        if not n or self.reclaimable(keep) < n:
+            return False
+        freed = 0
+        for row in [r for r in self.rows.free_order() if r in self._entries]:
+            if freed >= n:
+                break
+            pages = self._entries[row].pages
+            if not pages or (keep is not None and row == keep.row):
+                continue
+            self.rows.uncache((row,))  # (`_forget` drops its tail references)
+            freed += sum(1 for page in set(pages) if self.token_pool.ref_count(page) == 0)
+        return True
+
+    # ----------------------------------------------------------------- restoring
+    def hold(self, hit: Checkpoint) -> None:
+        """Reference `hit`'s row so no allocation evicts it before `restore` queues its copy."""
+        self.rows.touch((hit.row,))
+
+    def restore(self, request_id: Hashable, hit: Checkpoint, dst: int, tail_pages: Sequence[int]) -> None:
+        """Queue the copies of a hit: state row -> live row `dst`, tail slots -> `tail_pages` (one per
+        attention group, as `hit.pages`). The row stays held (`hold`) until `take` or `drop`."""
+        copy = StateCopy(hit.row, dst)
+        m = len(hit.tail)
+        pages = [PageCopy(src, d, m) for src, d in zip(hit.pages, tail_pages, strict=True)] if m else []
+        self._restoring[request_id] = (hit.row, copy, pages)
+        self._copies.append(copy)
+        self._page_copies.extend(pages)
+        self.num_hits += 1
+
+    def drop(self, request_id: Hashable) -> None:
+        """Forget a released request's restore that was never taken (its row reference too)."""
+        pending = self._restoring.pop(request_id, None)
+        if pending is None:
+            return
+        row, copy, pages = pending
+        self._copies.remove(copy)
+        for page in pages:
+            self._page_copies.remove(page)
+        self.rows.free((row,))
+
+    def take(self) -> tuple[list[StateCopy], list[PageCopy]]:
+        """Hand over every pending copy in queue order (state rows; attention tail slots) and drop the
+        restores' row references: the caller runs the copies before the next forward pass."""
+        copies, pages = self._copies, self._page_copies
+        self._copies, self._page_copies = [], []
+        held = [row for row, _, _ in self._restoring.values()]
+        self._restoring.clear()
+        self.rows.free(held)
+        return copies, pages
+
+    def reset(self) -> int:
+        """Drop every checkpoint nobody is restoring; returns how many."""
+        return self.rows.reset_prefix_cache()
+
+    # ----------------------------------------------------------------- invariants
+    def tail_lengths(self) -> dict[int, int]:
+        """Attention page -> the longest checkpoint tail on it (its slots below that are read by hits)."""
+        out: dict[int, int] = {}
+        for entry in self._entries.values():
+            for page in entry.pages:
+                out[page] = max(out.get(page, 0), len(entry.tail))
+        return out
+
+    def tail_refs(self) -> Counter[int]:
+        """Attention pages the checkpoints' tails reference (the attention pool's check counts them)."""
+        return Counter(page for entry in self._entries.values() for page in entry.pages)
+
+    def check(self, live: Counter[int]) -> None:
+        """Raise `IntegrityError` unless the rows pool matches `live` (request slots) plus the pending
+        restores and every cached row has its entry and index."""
+        holders = Counter(live)
+        holders.update(row for row, _, _ in self._restoring.values())
+        self.rows.check_integrity(holders)
+        for row, entry in self._entries.items():
+            _require(self.rows.block_hash(row) == entry.key, f"checkpoint row {row} is not cached under its key")
+            _require(row in self._by_parent.get(entry.parent, {}), f"checkpoint row {row} is not indexed")
+            _require(len(entry.tail) < self.page_size, f"checkpoint row {row} has a tail of {len(entry.tail)}")
+            _require(len(entry.pages) == 0 or len(entry.tail) > 0, f"checkpoint row {row} holds pages without a tail")
+        _require(self.rows.num_cached == len(self._entries),
+                 f"{self.rows.num_cached} cached rows but {len(self._entries)} checkpoints")  # fmt: skip
+        _require(sum(map(len, self._by_parent.values())) == len(self._entries), "checkpoint index out of date")

@@ -1,0 +1,244 @@
+"""State checkpoints: prefix hits on models with recurrent state (where they are saved, what a hit
+restores, eviction, failures that leave no trace)."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import ctx, snapshot
+from pagedkv.core.checkpoints import StateCopy, checkpoint_key
+from pagedkv.core.coordinator import KVCacheCoordinator
+from pagedkv.core.errors import InsufficientBlocksError
+from pagedkv.core.managers import FullAttentionManager, MambaManager, SlidingWindowManager
+from pagedkv.core.partial_pages import PageCopy
+
+PS = 4
+SYSTEM = list(range(1000, 1010))  # 10 tokens: two full pages and a tail of 2
+
+
+def coordinator(*, rows: int = 6, pages: int = 40, window: bool = False, caching: bool = True) -> KVCacheCoordinator:
+    groups = [FullAttentionManager(0, PS), MambaManager(1, PS)]
+    if window:
+        groups.insert(1, SlidingWindowManager(1, PS, 6))
+        groups[2] = MambaManager(2, PS)
+    return KVCacheCoordinator(pages, PS, groups, enable_prefix_caching=caching, num_state_rows=rows)
+
+
+def prefill(c: KVCacheCoordinator, rid: str, tokens: list[int], *, chunk: int | None = None, salt: str | None = None):
+    """Claim and run the prompt (in chunks of `chunk`, each ending at a checkpoint cut when one is due), then
+    sample one token; returns the context."""
+    a = ctx(rid, tokens, cache_salt=salt)
+    c.claim(rid)
+    while True:
+        c.alloc(a)
+        cut = c.checkpoint_cut(rid)
+        n = a.tokens.active_length if chunk is None else min(chunk, a.tokens.active_length)
+        if cut is not None and a.tokens.processed_length < cut < a.tokens.processed_length + n:
+            n = cut - a.tokens.processed_length
+        if n < a.tokens.active_length:
+            a.tokens.chunk(n)
+            a.update(0)  # (a chunk samples nothing)
+        else:
+            a.update(7)
+        c.step(a)
+        c.check_integrity()
+        if a.tokens.processed_length == len(a.tokens) - 1:
+            return a
+
+
+def test_a_prompt_end_checkpoint_serves_the_next_turn_mid_page() -> None:
+    c = coordinator()
+    prefill(c, "a", SYSTEM)  # checkpoint at 10 = page 2, tail (1008, 1009)
+    assert c.take_state_copies() == ([StateCopy(0, 1)], [])  # live row 0 -> checkpoint row 1
+    b = ctx("b", [*SYSTEM, 7, 50, 51])  # the next turn: a's prompt, its token, new text
+    c.claim("b")
+    c.alloc(b)
+    assert b.tokens.processed_length == 10 == b.cached_prefix_length
+    assert c.get_req_blocks("b", 0)[:2] == c.get_req_blocks("a", 0)[:2]  # the full pages are shared
+    own = c.get_req_blocks("b", 0)[2]
+    assert own != c.get_req_blocks("a", 0)[2]  # page 2 is its own: the tail's 2 slots are copied in
+    live = c.get_req_blocks("b", 1)[0]
+    assert c.take_state_copies() == ([StateCopy(1, live)], [PageCopy(c.get_req_blocks("a", 0)[2], own, 2)])
+    assert c.states is not None and c.states.num_hits == 1
+    c.check_integrity()
+
+
+def test_release_after_a_completed_step_keeps_the_live_row_as_a_checkpoint() -> None:
+    c = coordinator()
+    a = prefill(c, "a", [1, 2, 3, 4, 5, 6])
+    c.take_state_copies()
+    for token in (8, 9):  # two decode steps: the state ends at 8 tokens
+        c.alloc(a)
+        a.update(token)
+        c.step(a)
+    row = c.get_req_blocks("a", 1)[0]
+    c.release("a")
+    assert c.take_state_copies() == ([], [])  # no copy: the row itself is the checkpoint
+    assert c.states is not None and c.states.rows.block_hash(row) is not None
+    b = ctx("b", [1, 2, 3, 4, 5, 6, 7, 8, 11, 12])  # a's 8 processed tokens (7 and 8 sampled), then more
+    c.claim("b")
+    c.alloc(b)
+    assert b.tokens.processed_length == 8  # page-aligned: no tail copy
+    assert c.take_state_copies() == ([StateCopy(row, c.get_req_blocks("b", 1)[0])], [])
+    c.check_integrity()
+
+
+def test_a_divergence_point_is_a_cut_and_then_a_hit() -> None:
+    """The second user of a system prompt finds its attention pages but no state there: it ends a chunk at
+    the page where the prompts diverge, the state there is saved, and the third user resumes from it."""
+    c = coordinator()
+    prefill(c, "a", [*SYSTEM, 20, 21])
+    b = ctx("b", [*SYSTEM, 30, 31, 32])
+    c.claim("b")
+    c.alloc(b)
+    assert b.tokens.processed_length == 0  # pages 0, 1 cached, but a's checkpoints sit at 12 only
+    assert c.checkpoint_cut("b") == 8
+    c.release("b")
+    b = prefill(c, "b", [*SYSTEM, 30, 31, 32])  # chunks end at the cut
+    assert c.checkpoint_cut("b") is None
+    d = ctx("d", [*SYSTEM, 40, 41])
+    c.claim("d")
+    c.alloc(d)
+    assert d.tokens.processed_length == 8 and c.checkpoint_cut("d") is None
+    c.check_integrity()
+
+
+def test_the_longest_matching_tail_wins_and_the_last_token_is_never_a_hit() -> None:
+    base = list(range(1000, 1012))
+    c = coordinator(rows=10)
+    prefill(c, "a", base[:9])  # checkpoint at 9 (page 2, tail of 1)
+    prefill(c, "b", base[:11])  # hits at 9, checkpoint at 11 (tail of 3)
+    c.take_state_copies()
+    d = ctx("d", [*base[:11], 99])
+    c.claim("d")
+    c.alloc(d)
+    assert d.tokens.processed_length == 11
+    e = ctx("e", base[:11])  # the same 11 tokens: the last must be computed, so 9 is the best hit
+    c.claim("e")
+    c.alloc(e)
+    assert e.tokens.processed_length == 9
+    f = ctx("f", [*base[:10], 55])  # 1008 matches the 9-token checkpoint's tail, 55 differs from b's 1010
+    c.claim("f")
+    c.alloc(f)
+    assert f.tokens.processed_length == 9
+    c.check_integrity()
+
+
+def test_salts_never_share_a_checkpoint() -> None:
+    c = coordinator()
+    prefill(c, "a", SYSTEM, salt="tenant-a")
+    b = ctx("b", [*SYSTEM, 5], cache_salt="tenant-b")
+    c.claim("b")
+    c.alloc(b)
+    assert b.tokens.processed_length == 0
+    d = ctx("d", [*SYSTEM, 5], cache_salt="tenant-a")
+    c.claim("d")
+    c.alloc(d)
+    assert d.tokens.processed_length == 10
+
+
+def test_checkpoints_are_evicted_lru_with_their_tail_pages() -> None:
+    c = coordinator(rows=3)  # one live row at a time, two checkpoints
+    for i, rid in enumerate("abc"):
+        prefill(c, rid, [100 * (i + 1) + t for t in range(5)])  # checkpoint at 5: tail of 1 on page 1
+        c.release(rid)
+        c.take_state_copies()
+        c.check_integrity()
+    assert c.states is not None and len(c.states) == 2 and c.states.rows.num_evictions >= 1
+    keys = {e.key for e in c.states._entries.values()}
+    first = ctx("x", [100, 101, 102, 103, 104])
+    assert (
+        checkpoint_key(c.hasher.extend(first.tokens.all, 0, 1, c.hasher.root())[0][0], first.tokens.all[4:5])
+        not in keys
+    )  # the oldest went first
+    assert c.pool.num_used == 2  # the two survivors' tail pages; the evicted one's was released
+    c.check_integrity()
+
+
+def test_a_step_that_never_happened_saves_nothing_and_drops_its_restore() -> None:
+    c = coordinator()
+    prefill(c, "a", SYSTEM)
+    c.take_state_copies()
+    b = ctx("b", [*SYSTEM, 1, 2])
+    c.claim("b")
+    c.alloc(b)  # restores a's checkpoint; the forward pass then fails
+    assert c.states is not None and c.states.rows.num_used == 3  # a's and b's live rows + the held checkpoint
+    saved = c.states.num_saved
+    c.release("b")
+    assert c.take_state_copies() == ([], [])  # the restore is gone, its row reference too
+    assert c.states.num_saved == saved and c.states.rows.num_used == 1
+    c.check_integrity()
+
+
+def test_alloc_with_a_checkpoint_hit_is_atomic_when_no_row_is_left() -> None:
+    c = coordinator(rows=2)
+    prefill(c, "a", SYSTEM)
+    c.take_state_copies()  # row 0: a's live state, row 1: its prompt-end checkpoint
+    b = ctx("b", [*SYSTEM, 1, 2])
+    c.claim("b")
+    before = snapshot(c, b)
+    with pytest.raises(InsufficientBlocksError, match="state rows") as err:
+        c.alloc(b)  # the hit would hold row 1 and leave no row for b's live state
+    assert (err.value.needed, err.value.available) == (1, 0)
+    assert snapshot(c, b) == before
+    c.release("a")  # a's live row becomes a checkpoint; b now takes the LRU row, not the one it restores
+    c.alloc(b)
+    assert b.tokens.processed_length == 10
+    c.check_integrity()
+
+
+def test_reset_prefix_cache_drops_checkpoints_and_their_tails() -> None:
+    c = coordinator()
+    a = prefill(c, "a", SYSTEM)
+    c.alloc(a)
+    a.update(8)
+    c.step(a)  # a decode step: the state is at 11 tokens
+    c.release("a")  # checkpoints at 10 (the prompt's end, a copy) and 11 (the live row itself)
+    c.take_state_copies()
+    assert c.states is not None and len(c.states) == 2
+    assert c.reset_prefix_cache() >= 2
+    assert len(c.states) == 0 and c.pool.num_used == 0
+    c.check_integrity()
+
+
+def test_without_prefix_caching_nothing_is_saved() -> None:
+    c = coordinator(caching=False)
+    prefill(c, "a", SYSTEM)
+    c.release("a")
+    assert c.take_state_copies() == ([], []) and c.states is not None and len(c.states) == 0
+    b = ctx("b", [*SYSTEM, 3])
+    c.claim("b")
+    c.alloc(b)
+    assert b.tokens.processed_length == 0
+    c.check_integrity()
+
+
+def test_a_preempted_prefill_resumes_from_its_own_checkpoint() -> None:
+    c = coordinator()
+    a = ctx("a", list(range(1, 15)))
+    c.claim("a")
+    c.alloc(a)
+    a.tokens.chunk(6)
+    a.update(0)
+    c.step(a)  # 6 of 14 processed
+    c.release("a")  # preempted: the state at 6 becomes a checkpoint (tail of 2)
+    a.reset()
+    c.claim("a")
+    c.alloc(a)
+    assert a.tokens.processed_length == 6
+    c.check_integrity()
+
+
+def test_window_groups_resume_with_their_window_and_the_tail() -> None:
+    c = coordinator(window=True)
+    prefill(c, "a", list(range(1, 16)))  # checkpoint at 15 (page 3, tail of 3)
+    c.take_state_copies()
+    b = ctx("b", [*range(1, 16), 7, 99])
+    c.claim("b")
+    c.alloc(b)
+    assert b.tokens.processed_length == 15
+    window = c.get_req_blocks("b", 1)
+    assert window[0] == c.pool.null_block and window[1] != c.pool.null_block  # keys from 10 on: pages 2, 3 + tail
+    copies, pages = c.take_state_copies()
+    assert len(copies) == 1 and [p.num_tokens for p in pages] == [3, 3]  # the tail in both attention groups
+    c.check_integrity()

@@ -1,0 +1,88 @@
+"""Prefix hits on models with recurrent state: a request that resumes from a state checkpoint gives the
+tokens and logits of one computed from scratch (one full forward of transformers, no cache), for a gated
+delta net hybrid, a Mamba2 hybrid and a short-convolution hybrid: shared system prompts of lengths that are
+multiples of nothing, multi-turn conversations (each turn resumes where the last one stopped) and
+preemption in between (a preempted request resumes from its own checkpoint)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from state_models import build_state_model
+from test_state_models import check_parity
+
+from pagedkv.engine import LLMEngine
+from pagedkv.engine.request import Request
+
+MODELS = ["qwen3_5_text", "bamba", "lfm2"]  # gated delta net, Mamba2, short convolutions (each beside attention)
+NEW = 5
+PS = 4
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def serve(engine: LLMEngine, prompt: list[int]) -> Request:
+    request = engine.add_request(prompt, NEW, stop_token_ids=[])
+    engine.run()
+    return request
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_a_shared_system_prompt_hits_from_the_third_user_on(model_type: str) -> None:
+    """37 system tokens: the first user saves its prompt's end, the second finds the system prompt's pages
+    but no state at 36 (its page boundary), ends a chunk there and saves it; every later user resumes at 36."""
+    model = build_state_model(model_type, seed=21)
+    ref = copy.deepcopy(model)
+    engine = LLMEngine.from_hf(model, page_size=PS, num_pages=256, max_num_batched_tokens=64, record_logits=True)
+    system = tokens(37, 1)
+    batch = [system + tokens(n, 10 + n) for n in (3, 5, 11, 2, 7)]
+    requests = [serve(engine, prompt) for prompt in batch]
+    assert [r.cached_tokens for r in requests] == [0, 0, 36, 36, 36]
+    check_parity(model_type, ref, batch, requests)
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_each_turn_of_a_conversation_resumes_where_the_last_one_stopped(model_type: str) -> None:
+    model = build_state_model(model_type, seed=22)
+    ref = copy.deepcopy(model)
+    engine = LLMEngine.from_hf(model, page_size=PS, num_pages=256, max_num_batched_tokens=16, record_logits=True)
+    prompt, batch, requests = tokens(13, 2), [], []
+    for turn in range(3):
+        request = serve(engine, prompt)
+        batch.append(prompt)
+        requests.append(request)
+        # the finished request's state covers its prompt and every output token but the last (never fed back)
+        prompt = prompt + request.output + tokens(3 + 2 * turn, 30 + turn)
+    assert [r.cached_tokens for r in requests] == [0, 13 + NEW - 1, 13 + NEW + 3 + NEW - 1]
+    check_parity(model_type, ref, batch, requests)
+    assert engine.manager.num_free_blocks() < engine.manager.total_num_pages  # the checkpoints' tails stay
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_preempted_requests_resume_from_their_own_checkpoints(model_type: str) -> None:
+    """13 pages admit the three prompts but not their growth: after two decode steps the newest request (22
+    prompt tokens, 24 processed) is preempted. Its live state is kept as a checkpoint at 24 (a page boundary),
+    its partial page was private (freed to the fresh stack, taken first) and its six full pages stay cached, so
+    its readmission resumes at 24 instead of computing 24 tokens again."""
+    model = build_state_model(model_type, seed=23)
+    ref = copy.deepcopy(model)
+    batch = [tokens(n, 40 + n) for n in (7, 10, 22)]
+    engine = LLMEngine.from_hf(model, page_size=PS, num_pages=13, max_num_batched_tokens=64, record_logits=True)
+    requests = [engine.add_request(p, NEW, stop_token_ids=[]) for p in batch]
+    engine.run()
+    assert engine.summary["preemptions"] == 1 and requests[2].preemptions == 1
+    assert [r.cached_tokens for r in requests] == [0, 0, 24]  # the readmission resumed from its checkpoint
+    check_parity(model_type, ref, batch, requests)
+
+
+def test_prefix_caching_off_keeps_no_checkpoint() -> None:
+    model = build_state_model("lfm2", seed=24)
+    engine = LLMEngine.from_hf(model, page_size=PS, num_pages=64, enable_prefix_caching=False)
+    system = tokens(21, 3)
+    requests = [serve(engine, system + tokens(4, 50 + i)) for i in range(3)]
+    assert [r.cached_tokens for r in requests] == [0, 0, 0]
+    assert engine.manager.num_free_blocks() == engine.manager.total_num_pages
