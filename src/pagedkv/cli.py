@@ -34,6 +34,7 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
     "state": BenchCommand("pagedkv.bench.state_bench", "KV + state bytes of a Qwen3.5-shaped hybrid; engine decode vs transformers generate"),
     "tiers": BenchCommand("pagedkv.bench.tiers_bench", "tier offload / load throughput vs the raw medium; TTFT from a warm tier"),
     "compare": BenchCommand("pagedkv.bench.compare.run", "pagedkv vs vLLM and SGLang cache managers and the Belady bound, on five workloads over a capacity sweep"),
+    "state-prefix": BenchCommand("pagedkv.bench.compare.state_prefix", "prefix hit rate of a Qwen3.5-shaped hybrid (state checkpoints) vs vLLM align mode and the all-attention ceiling, at equal bytes"),
     "soak": BenchCommand("pagedkv.bench.soak", "engine soak over every tier: RSS, leaks, tokens"),
     "faults": BenchCommand("pagedkv.bench.faults", "Redis killed, disk full, corrupt / truncated pages, slow Redis while engines serve"),
     "step-calls": BenchCommand("pagedkv.bench.step_calls", "pagedkv calls per layer per decode step of a tiny Llama (one-pass check)"),

@@ -242,3 +242,54 @@ def test_window_groups_resume_with_their_window_and_the_tail() -> None:
     copies, pages = c.take_state_copies()
     assert len(copies) == 1 and [p.num_tokens for p in pages] == [3, 3]  # the tail in both attention groups
     c.check_integrity()
+
+
+def test_a_shared_checkpoint_outlives_newer_unread_ones() -> None:
+    """Two checkpoint rows. The checkpoint at a divergence point (8, shared by a and b) has a higher retention
+    priority: when c's prompt end needs a row, b's newer prompt-end checkpoint goes, not the older shared one
+    (plain LRU would take the shared one)."""
+    c = coordinator(rows=3)
+    prefill(c, "a", [*SYSTEM, 20, 21])  # prompt-end checkpoint at 12
+    c.release("a")  # (its state is at 12: the same checkpoint, refreshed)
+    prefill(c, "b", [*SYSTEM, 30, 31, 32])  # cut at 8 (shared), then its prompt end at 13: a's at 12 goes
+    c.release("b")
+    c.take_state_copies()
+    assert c.states is not None and sorted(e.shared for e in c.states._entries.values()) == [False, True]
+    prefill(c, "c", list(range(500, 511)))  # its prompt end takes a row: b's (13) goes, the shared one stays
+    c.take_state_copies()
+    assert [e.shared for e in c.states._entries.values()] == [True, False]
+    d = ctx("d", [*SYSTEM, 40])
+    c.claim("d")
+    c.alloc(d)
+    assert d.tokens.processed_length == 8
+    c.check_integrity()
+
+
+def test_a_release_demotes_the_checkpoints_it_supersedes() -> None:
+    """Two checkpoint rows. a's prompt end (10) is superseded by its release (11): when e hits the prompt-end
+    checkpoint and a new prompt's end needs a row, the demoted one goes although it was used last."""
+    c = coordinator(rows=3)
+    a = prefill(c, "a", list(range(1, 11)))  # prompt end at 10
+    c.alloc(a)
+    a.update(8)
+    c.step(a)
+    c.release("a")  # its release checkpoint at 11 supersedes the one at 10
+    c.take_state_copies()
+    e = ctx("e", [*range(1, 11), 99, 5])  # tail (9, 10) matches the checkpoint at 10, not (9, 10, 7)
+    c.claim("e")
+    c.alloc(e)
+    assert e.tokens.processed_length == 10
+    c.release("e")  # (no step: nothing saved, the restore dropped)
+    c.take_state_copies()
+    prefill(c, "f", list(range(200, 207)))  # its prompt end evicts the demoted checkpoint, not the one at 11
+    c.take_state_copies()
+    g = ctx("g", [*range(1, 11), 7, 3])  # a's prompt, its sampled 7, more
+    c.claim("g")
+    c.alloc(g)
+    assert g.tokens.processed_length == 11
+    c.release("g")
+    h = ctx("h", [*range(1, 11), 99, 5])
+    c.claim("h")
+    c.alloc(h)
+    assert h.tokens.processed_length == 0 and c.checkpoint_cut("h") == 8  # the state at 10 is gone
+    c.check_integrity()

@@ -26,6 +26,12 @@ request's own page ``k`` (`PageCopy`, copy-on-write) while the state row is
 copied into its live row (`StateCopy`). Evicting a checkpoint drops those
 references.
 
+Value. A checkpoint saved where a cached prefix diverged from a request (a "shared" one: two requests
+proved the prefix) gets a higher retention priority than the rest, and a request's own prompt-end
+checkpoint, and the one it resumed from, drop to the lowest when its release saves a deeper one on the
+same chain (`demote`): the next turn of a conversation resumes from that one. The pool's policy orders
+checkpoints within a priority.
+
 Data moves on the tensor side: the owner of the buffers takes the pending
 copies (`take`) and runs them in order, saves before the forward pass that
 overwrites their source, restores before the one that reads their target.
@@ -47,7 +53,9 @@ from pagedkv.core.events import BlockRemoved, BlockStored, EventSink
 from pagedkv.core.hashing import BlockHash
 from pagedkv.core.partial_pages import PageCopy
 
-__all__ = ["Checkpoint", "StateCheckpoints", "StateCopy", "checkpoint_key"]
+__all__ = ["SHARED_PRIORITY", "Checkpoint", "StateCheckpoints", "StateCopy", "checkpoint_key"]
+
+SHARED_PRIORITY = 60  # retention priority of a checkpoint at a divergence point (the pool's default: 35)
 
 ParentKey = Hashable
 """The prefix-cache key of the page before a checkpoint's tail, or ``(root digest,)``."""
@@ -68,6 +76,7 @@ class Checkpoint(NamedTuple):
     tail: np.ndarray  # int32 [m]: the tokens after the parent page, m < page_size
     pages: tuple[int, ...]  # per attention group: the page holding the tail (empty when m == 0)
     key: BlockHash
+    shared: bool = False  # saved where a cached prefix diverged from a request (kept longer)
 
 
 def checkpoint_key(parent: ParentKey, tail: np.ndarray) -> bytes:
@@ -108,12 +117,14 @@ class StateCheckpoints:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def find(self, parent: ParentKey, tokens: np.ndarray) -> Checkpoint | None:
-        """The checkpoint under `parent` whose tail equals ``tokens[:m]``, m largest (ties: the oldest).
-        `tokens` holds the candidate tail positions (at most ``page_size - 1``). No side effects."""
+    def find(self, parent: ParentKey, tokens: np.ndarray, start: int = 0, stop: int | None = None) -> Checkpoint | None:
+        """The checkpoint under `parent` whose tail equals ``tokens[start:stop][:m]``, m largest (ties: the
+        oldest); ``tokens[start:stop]`` holds the candidate tail positions (at most ``page_size - 1``). No side
+        effects; a parent with no checkpoint costs one dict lookup."""
         rows = self._by_parent.get(parent)
         if not rows:
             return None
+        tokens = tokens[start:stop]
         best: Checkpoint | None = None
         for row in rows:
             entry = self._entries[row]
@@ -150,48 +161,66 @@ class StateCheckpoints:
         self.rows.free(rows)
 
     # ----------------------------------------------------------------- saving
-    def save(self, src: int, parent: ParentKey, tail: np.ndarray, pages: Sequence[int]) -> bool:
-        """Keep a copy of live row `src` as the checkpoint (`parent`, `tail`), its tail on `pages`.
-        An existing checkpoint of that key is refreshed instead; with every row held, nothing is saved.
-        Queues ``StateCopy(src, row)``. Returns True when a new checkpoint was made."""
-        key = checkpoint_key(parent, tail)
-        existing = self.rows.cached_page(key)
-        if existing is not None or self.rows.num_free == 0:
-            self._refresh(existing)
-            return False
-        (row,) = self.rows.allocate(1)
-        self._add(row, parent, tail, pages, key)
-        self._copies.append(StateCopy(src, row))
-        self.rows.free((row,))
-        return True
-
-    def save_in_place(self, row: int, parent: ParentKey, tail: np.ndarray, pages: Sequence[int]) -> bool:
-        """Turn live row `row` (about to be freed by its request) into the checkpoint (`parent`, `tail`):
-        no copy. Returns True when a new checkpoint was made (else an existing one was refreshed)."""
+    def save(
+        self, src: int, parent: ParentKey, tail: np.ndarray, pages: Sequence[int], *, shared: bool = False
+    ) -> Checkpoint | None:
+        """Keep a copy of live row `src` as the checkpoint (`parent`, `tail`), its tail on `pages` (`shared`:
+        at a divergence point, kept longer). An existing checkpoint of that key is refreshed instead; with
+        every row held, nothing is saved (None). Queues ``StateCopy(src, row)``. Returns the checkpoint."""
         key = checkpoint_key(parent, tail)
         existing = self.rows.cached_page(key)
         if existing is not None:
-            self._refresh(existing)
-            return False
-        self._add(row, parent, tail, pages, key)
-        return True
+            return self._refresh(existing, shared)
+        if self.rows.num_free == 0:
+            return None
+        (row,) = self.rows.allocate(1)
+        entry = self._add(row, parent, tail, pages, key, shared)
+        self._copies.append(StateCopy(src, row))
+        self.rows.free((row,))
+        return entry
 
-    def _add(self, row: int, parent: ParentKey, tail: np.ndarray, pages: Sequence[int], key: bytes) -> None:
+    def save_in_place(self, row: int, parent: ParentKey, tail: np.ndarray, pages: Sequence[int]) -> Checkpoint:
+        """Turn live row `row` (about to be freed by its request) into the checkpoint (`parent`, `tail`):
+        no copy (an existing checkpoint of that key is refreshed instead). Returns the checkpoint."""
+        key = checkpoint_key(parent, tail)
+        existing = self.rows.cached_page(key)
+        if existing is not None:
+            return self._refresh(existing, False)
+        return self._add(row, parent, tail, pages, key, False)
+
+    def _add(
+        self, row: int, parent: ParentKey, tail: np.ndarray, pages: Sequence[int], key: bytes, shared: bool
+    ) -> Checkpoint:
         self.rows.commit(row, key)
         self.token_pool.touch(pages)
-        self._entries[row] = Checkpoint(row, parent, np.array(tail, dtype=np.int32), tuple(pages), key)
+        entry = self._entries[row] = Checkpoint(row, parent, np.array(tail, dtype=np.int32), tuple(pages), key, shared)
         self._by_parent.setdefault(parent, {})[row] = None
         self.num_saved += 1
+        if shared:
+            self.rows.set_priority((row,), SHARED_PRIORITY)
         if self.emit is not None:
             ids = [int(t) for t in tail]
             head: BlockHash | None = None if isinstance(parent, tuple) else parent  # type: ignore[assignment]
             for g in self.groups:
                 self.emit(BlockStored([key], head, ids, self.page_size, "GPU", g, "mamba"))
 
-    def _refresh(self, row: int | None) -> None:
-        if row is not None:  # a recency refresh, as a hit would give it
-            self.rows.touch((row,))
-            self.rows.free((row,))
+        return entry
+
+    def _refresh(self, row: int, shared: bool) -> Checkpoint:
+        """A recency refresh of the checkpoint in `row` (as a hit would give it); `shared` raises it."""
+        entry = self._entries[row]
+        if shared and not entry.shared:
+            entry = self._entries[row] = entry._replace(shared=True)
+            self.rows.set_priority((row,), SHARED_PRIORITY)
+        self.rows.touch((row,))
+        self.rows.free((row,))
+        return entry
+
+    def demote(self, entry: Checkpoint) -> None:
+        """Send a checkpoint a deeper one superseded to the front of the eviction order (a shared one, or
+        one evicted or replaced since, is left alone)."""
+        if not entry.shared and self._entries.get(entry.row) is entry:
+            self.rows.set_priority((entry.row,), 0)
 
     def _forget(self, row: int) -> None:
         """The pool uncached `row` (evicted or reset): drop its entry and its tail references."""

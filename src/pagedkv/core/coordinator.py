@@ -296,6 +296,7 @@ class KVCacheCoordinator:
             assert self.states is not None
             tails = [int(st.tables[g].pages[plan.hit]) for g in self._decoder_ids] if len(hit.tail) else []
             self.states.restore(ctx.request_id, hit, int(st.tables[self._state_ids[0]].pages[0]), tails)
+            st.superseded.append(hit)
         self._refresh(st)
 
     def _refresh(self, st: HybridRequest) -> None:
@@ -424,8 +425,11 @@ class KVCacheCoordinator:
                 st.ctx = ctx
                 at = st.state_at = tokens._processed  # the step's forward pass left the live state here
                 if at == st.cut or at == tokens._prompt_length:  # a divergence point; a prompt's end
-                    save_state(self.states, self.hasher, st, ctx, at, self._decoder_ids, self._state_ids[0],
-                               in_place=False)  # fmt: skip
+                    shared = at == st.cut
+                    saved = save_state(self.states, self.hasher, st, ctx, at, self._decoder_ids, self._state_ids[0],
+                                       in_place=False, shared=shared)  # fmt: skip
+                    if saved is not None and not shared:
+                        st.superseded.append(saved)
 
     def _commit_groups(self, st: HybridRequest, ctx: TextContext, n_commit: int) -> None:
         if n_commit > len(st.hashes):

@@ -38,6 +38,7 @@ class HybridRequest:
     state_at: int = -1  # token position the live state rows hold (-1: being moved by a forward pass)
     cut: int = -1  # token position at which to save a state checkpoint (a cached prefix diverges there)
     ctx: Any = None  # the context of its last step (its tokens key a checkpoint saved at release)
+    superseded: list[Any] = field(default_factory=list)  # its prompt-end checkpoint, the one it resumed from
 
     @property
     def num_pages(self) -> int:

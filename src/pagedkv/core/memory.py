@@ -14,13 +14,14 @@ side by side), one set per running request plus the state checkpoints
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.managers import FullAttentionManager, MLAAttentionManager, manager_for
-from pagedkv.multi_params import KVCacheParamInterface
-from pagedkv.params import KVConnectorType
+from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
+from pagedkv.params import KVCacheParams, KVConnectorType
 from pagedkv.validation import check_int
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "state_row_bytes",
     "num_state_rows",
     "default_state_checkpoints",
+    "with_budget_checkpoints",
     "compute_num_device_blocks",
     "compute_num_host_blocks",
     "estimated_memory_size",
@@ -83,20 +85,46 @@ def state_row_bytes(params: KVCacheParamInterface) -> int:
     return per_device * params.tensor_parallel_degree
 
 
-def default_state_checkpoints(max_batch_size: int) -> int:
-    """State checkpoints kept when `max_state_checkpoints` is None: two per request of a full batch."""
+CHECKPOINT_SHARE = 3  # with a byte budget and no cap set, checkpoints take a third of what live rows leave
+
+
+def default_state_checkpoints(max_batch_size: int, budget: int | None = None, row_bytes: int = 0) -> int:
+    """State checkpoints kept when `max_state_checkpoints` is None. With a replica's byte `budget`: a third
+    of what the live rows of `max_batch_size` requests leave of it, in rows of `row_bytes` (at least one;
+    the other two thirds buy attention pages). With no budget (a page count was given): two per batch
+    slot."""
+    if budget is not None and row_bytes:
+        return max(1, (budget - max_batch_size * row_bytes) // (CHECKPOINT_SHARE * row_bytes))
     return 2 * max_batch_size
 
 
-def num_state_rows(params: KVCacheParamInterface, max_batch_size: int) -> int:
+def with_budget_checkpoints(params: KVCacheParamInterface, budget: int, max_batch_size: int) -> KVCacheParamInterface:
+    """`params` with `max_state_checkpoints` set from a replica's byte `budget` (`default_state_checkpoints`)
+    when a model with recurrent state and prefix caching leaves it None (every cache of a flat tree shares
+    the field); else `params` itself."""
+    if not state_slots_per_request(params) or not params.enable_prefix_caching:
+        return params
+    if params.max_state_checkpoints is not None:
+        return params
+    return _with_cap(params, default_state_checkpoints(max_batch_size, budget, state_row_bytes(params)))
+
+
+def _with_cap(params: KVCacheParamInterface, cap: int) -> KVCacheParams | MultiKVCacheParams:
+    if isinstance(params, MultiKVCacheParams):
+        return MultiKVCacheParams({name: _with_cap(child, cap) for name, child in params.children.items()})
+    assert isinstance(params, KVCacheParams)
+    return dataclasses.replace(params, max_state_checkpoints=cap)
+
+
+def num_state_rows(params: KVCacheParamInterface, max_batch_size: int, budget: int | None = None) -> int:
     """State rows per replica: `max_batch_size` requests' live and draft slots, plus the checkpoints
-    (`max_state_checkpoints`, or `default_state_checkpoints`) when prefix caching is on (0 without state
-    caches)."""
+    (`max_state_checkpoints`, or `default_state_checkpoints` of a replica's `budget`) when prefix caching
+    is on (0 without state caches)."""
     slots = state_slots_per_request(params)
     if not slots:
         return 0
     cap = getattr(params, "max_state_checkpoints", None)
-    checkpoints = default_state_checkpoints(max_batch_size) if cap is None else cap
+    checkpoints = default_state_checkpoints(max_batch_size, budget, state_row_bytes(params)) if cap is None else cap
     return max_batch_size * slots + (checkpoints if params.enable_prefix_caching else 0)
 
 
@@ -114,7 +142,7 @@ def compute_num_device_blocks(
     """
     check_int("available_cache_memory", available_cache_memory, 0)
     dp, per_page = params.data_parallel_degree, pool_page_bytes(params)
-    rows = num_state_rows(params, max_batch_size or 1)
+    rows = num_state_rows(params, max_batch_size or 1, available_cache_memory // dp)
     state_bytes = rows * state_row_bytes(params)
     if state_bytes and state_bytes > available_cache_memory // dp:
         raise InsufficientBlocksError(
@@ -157,7 +185,8 @@ def estimated_memory_size(
 ) -> int:
     """Bytes the device pages and state rows take over all replicas (never more than available or needed)."""
     blocks = compute_num_device_blocks(params, available_cache_memory, max_batch_size, max_seq_len)
-    rows = num_state_rows(params, max_batch_size or 1) * state_row_bytes(params)
+    rows = num_state_rows(params, max_batch_size or 1, available_cache_memory // params.data_parallel_degree)
+    rows *= state_row_bytes(params)
     return (blocks * pool_page_bytes(params) + rows) * params.data_parallel_degree
 
 

@@ -37,8 +37,7 @@ def find_state_hit(
     found: list[Checkpoint | None] = [None]
 
     def accept(h: int) -> bool:
-        want = tokens[h * ps : min(h * ps + ps - 1, last)]
-        hit = states.find(keys[h - 1] if h else (root,), want)
+        hit = states.find(keys[h - 1] if h else (root,), tokens, h * ps, min(h * ps + ps - 1, last))
         if hit is None or h * ps + len(hit.tail) == 0:
             return False
         found[0] = hit
@@ -50,13 +49,14 @@ def find_state_hit(
 
 def save_state(
     states: StateCheckpoints, hasher: PrefixHasher, st: HybridRequest, ctx: TextContext, at: int,
-    token_groups: Sequence[int], state_group: int, *, in_place: bool,
-) -> None:  # fmt: skip
+    token_groups: Sequence[int], state_group: int, *, in_place: bool, shared: bool = False,
+) -> Checkpoint | None:  # fmt: skip
     """Keep the request's live row (in its table of `state_group`; its state at token position `at`) as a
     checkpoint keyed by the prefix chain up to page ``at // page_size`` (extending ``st.hashes`` when
     needed) and the tail after it; the tail's page in each of `token_groups` is referenced. `in_place`:
-    the request is being released and its live row becomes the checkpoint (no copy). Clears ``st.cut``
-    when it was `at`."""
+    the request is being released and its live row becomes the checkpoint (no copy); `shared`: `at` is
+    where a cached prefix diverged from the request. Clears ``st.cut`` when it was `at`. Returns the
+    checkpoint (None when every row is held)."""
     ps, live = states.page_size, int(st.tables[state_group].pages[0])
     k = at // ps
     if k > len(st.hashes):
@@ -65,12 +65,11 @@ def save_state(
     parent = st.hashes[k - 1] if k else (hasher.root(ctx.cache_salt),)
     tail = np.asarray(ctx.tokens.all[k * ps : at], dtype=np.int32)
     pages = [int(st.tables[g].pages[k]) for g in token_groups] if len(tail) else []
-    if in_place:
-        states.save_in_place(live, parent, tail, pages)
-    else:
-        states.save(live, parent, tail, pages)
     if st.cut == at:
         st.cut = -1
+    if in_place:
+        return states.save_in_place(live, parent, tail, pages)
+    return states.save(live, parent, tail, pages, shared=shared)
 
 
 def release_rows(
@@ -79,10 +78,14 @@ def release_rows(
 ) -> None:  # fmt: skip
     """Give a released request's state rows back: its pending restore is dropped and, with `caching`,
     when its last alloc was followed by a step (its live state is at ``st.state_at``), its live row
-    becomes a checkpoint first."""
+    becomes a checkpoint first, superseding its prompt-end checkpoint and the one it resumed from
+    (`StateCheckpoints.demote`)."""
     states.drop(request_id)
     table = st.tables[state_group]
     rows = table.pages[: table.num_pages].tolist()
     if rows and caching and st.state_at > 0 and st.ctx is not None and not st.dummy:
-        save_state(states, hasher, st, st.ctx, st.state_at, token_groups, state_group, in_place=True)
+        saved = save_state(states, hasher, st, st.ctx, st.state_at, token_groups, state_group, in_place=True)
+        for entry in st.superseded:
+            if saved is None or entry.key != saved.key:
+                states.demote(entry)
     states.free(rows)

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
+from pagedkv.core import memory
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.managers import manager_for
-from pagedkv.core.memory import is_hybrid, num_state_rows
+from pagedkv.core.memory import is_hybrid
 from pagedkv.core.tables import BatchTables
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params import KVCacheParams
@@ -77,7 +78,7 @@ def make_block_manager(
                              "sliding window, chunked, sinks or cross-attention caches)")  # fmt: skip
     group_names(params)  # validates the shape of the tree
     groups = [manager_for(g, leaf.kv_cache_spec) for g, leaf in enumerate(params.leaves())]
-    rows = num_state_rows(params, max_batch_size)
+    rows = memory.num_state_rows(params, max_batch_size)
     coordinator = KVCacheCoordinator(total_num_pages, params.page_size, groups, num_state_rows=rows, **kwargs)
     coordinator.hasher.set_version(params.weights_version)
     return coordinator

@@ -62,6 +62,10 @@ class PagedKVCacheManager:
         total_num_host_pages: host pages per replica; needs a host tier connector.
         enable_runtime_checks: run `check_integrity()` after every mutating call.
         max_batch_size: the largest batch `runtime_inputs` accepts per replica.
+
+    A model with recurrent state gets `memory.num_state_rows` state rows per replica: the live rows of
+    `max_batch_size` requests plus `max_state_checkpoints` (two per batch slot when that is None;
+    `from_memory_budget` sets it from the budget).
     """
 
     def __init__(
@@ -87,10 +91,10 @@ class PagedKVCacheManager:
         self.page_size = params.page_size
         self.num_replicas = params.data_parallel_degree
         self.hybrid = hybrid.is_hybrid(params)
+        self.num_state_rows = memory.num_state_rows(params, max_batch_size)  # live + checkpoints (0: no state)
         self._managers = [
             hybrid.make_block_manager(params, total_num_pages, max_batch_size) for _ in range(self.num_replicas)
         ]
-        self.num_state_rows = memory.num_state_rows(params, max_batch_size)  # live slots + state checkpoints
         self._buffers = hybrid.allocate_buffers(params, total_num_pages + 1, self.num_state_rows + 1)
         self.tiers = Tiering(params, self._managers, self._buffers, total_num_host_pages)
         self.total_num_host_pages = self.tiers.host_pages
@@ -106,7 +110,11 @@ class PagedKVCacheManager:
         max_seq_len: int | None = None,
         enable_runtime_checks: bool = False,
     ) -> PagedKVCacheManager:
-        """A manager with as many pages as `available_cache_memory` bytes hold (see `pagedkv.core.memory`)."""
+        """A manager with as many pages as `available_cache_memory` bytes hold (see `pagedkv.core.memory`).
+        A model with recurrent state and prefix caching whose `max_state_checkpoints` is None gets it set
+        from the budget first (`memory.default_state_checkpoints`; the manager's `params` show it)."""
+        params = memory.with_budget_checkpoints(params, available_cache_memory // params.data_parallel_degree,
+                                                max_batch_size)  # fmt: skip
         pages = memory.compute_num_device_blocks(params, available_cache_memory, max_batch_size, max_seq_len)
         host_pages = memory.compute_num_host_blocks(params)
         return cls(params, None, pages, host_pages, enable_runtime_checks, max_batch_size=max_batch_size)
