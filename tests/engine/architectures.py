@@ -148,12 +148,13 @@ def render_markdown() -> str:
         "## Recurrent-state models",
         "",
         "Every row below has layers that keep a recurrent state (gated delta net, Mamba2, Mamba1, short "
-        "convolution) in pagedkv's state slots, beside its attention pages in one pool "
+        "convolution) in pagedkv's state rows, a pool beside its attention pages "
         "(`tests/engine/test_state_models.py`): prompts of 1 to 60 tokens cut at odd places by a 13-token "
         "budget, steps mixing prefill chunks and decodes, fp32 logits within 1e-3 of one full forward of "
         "transformers over prompt + output at every generated position, greedy tokens equal to its argmax, "
-        "and again in a pool that forces preemption (the state is recomputed, or swapped out to host rows "
-        "and back). Prefix caching does not hit on these models yet: a state slot is updated in place, so a cached prefix has no state to resume from.",
+        "and again in a pool that forces preemption. Prefix caching hits on them through state checkpoints "
+        "(docs/STATE.md): requests resuming from one give the same tokens and logits "
+        "(`tests/engine/test_state_model_prefix_hits.py`: gated delta net, Mamba2 and short-convolution hybrids).",
         "",
         "| model type | state layers | config of the test |",
         "|---|---|---|",
