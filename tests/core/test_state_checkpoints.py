@@ -3,6 +3,7 @@ restores, eviction, failures that leave no trace)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from helpers import ctx, snapshot
@@ -170,21 +171,91 @@ def test_a_step_that_never_happened_saves_nothing_and_drops_its_restore() -> Non
     c.check_integrity()
 
 
-def test_alloc_with_a_checkpoint_hit_is_atomic_when_no_row_is_left() -> None:
+def test_a_hit_whose_row_is_short_computes_instead_and_a_request_with_no_row_changes_nothing() -> None:
     c = coordinator(rows=2)
     prefill(c, "a", SYSTEM)
     c.take_state_copies()  # row 0: a's live state, row 1: its prompt-end checkpoint
     b = ctx("b", [*SYSTEM, 1, 2])
     c.claim("b")
-    before = snapshot(c, b)
+    c.alloc(b)  # holding row 1 for the hit would leave no row for b's live state: b computes from the start
+    assert b.tokens.processed_length == 0 and c.checkpoint_cut("b") == 8
+    assert c.states is not None and len(c.states) == 0  # (its live row took the checkpoint's row)
+    d = ctx("d", [*SYSTEM, 3])
+    c.claim("d")
+    before = snapshot(c, d)
     with pytest.raises(InsufficientBlocksError, match="state rows") as err:
-        c.alloc(b)  # the hit would hold row 1 and leave no row for b's live state
+        c.alloc(d)  # both rows hold running requests' states
     assert (err.value.needed, err.value.available) == (1, 0)
-    assert snapshot(c, b) == before
-    c.release("a")  # a's live row becomes a checkpoint; b now takes the LRU row, not the one it restores
-    c.alloc(b)
-    assert b.tokens.processed_length == 10
+    assert snapshot(c, d) == before
     c.check_integrity()
+
+
+def test_a_hit_whose_tail_page_is_short_computes_instead() -> None:
+    """4 pages of 4. a's checkpoint at 10 holds its page 2; b (a's 10 tokens + 6) needs all 4 pages, which the
+    hit's tail page would leave it one short of: b computes from the start, the checkpoint giving its page back."""
+    c = coordinator(pages=4)
+    prefill(c, "a", list(range(1, 11)))
+    c.release("a")
+    c.take_state_copies()
+    b = ctx("b", [*range(1, 11), 7, 20, 21, 22, 23, 24])
+    c.claim("b")
+    c.alloc(b)
+    assert b.tokens.processed_length == 0 and c.pool.num_used == 4
+    c.check_integrity()
+
+
+def test_a_failed_alloc_evicts_no_checkpoint() -> None:
+    """A checkpoint tail that is also one of the plan's hit pages frees nothing allocatable: the alloc
+    that cannot fit anyway raises before any checkpoint is evicted."""
+    c = coordinator(pages=12)
+    a = prefill(c, "a", list(range(1, 11)))  # prompt end at 10: tail on page 2
+    for token in (8, 9):
+        c.alloc(a)
+        a.update(token)
+        c.step(a)  # page 2 fills (11, 12 processed) and is committed while the checkpoint holds it
+    c.release("a")
+    c.take_state_copies()
+    d = ctx("d", list(range(500, 520)))
+    c.claim("d")
+    c.alloc(d)  # 5 pages held
+    b = ctx("b", [*a.tokens.all[:12].tolist(), *range(600, 620)])
+    c.claim("b")
+    before = snapshot(c, b)
+    with pytest.raises(InsufficientBlocksError):
+        c.alloc(b)
+    assert snapshot(c, b) == before
+    c.check_integrity()
+
+
+def test_a_weights_update_between_a_step_and_the_release_saves_nothing() -> None:
+    """A request whose state was computed under weights v1 is released after the version became v2 (the
+    engine's update_weights): its live row must not become a checkpoint a v2 request could hit."""
+    c = coordinator(pages=16)
+    c.hasher.set_version("v1")
+    a = prefill(c, "a", list(range(1, 4)))  # state at 3, inside the first page: the key's parent is the root
+    c.take_state_copies()
+    c.hasher.set_version("v2")
+    c.release("a")
+    a.reset()
+    c.claim("a")
+    c.alloc(a)
+    assert a.tokens.processed_length == 0  # no v1 state resumes under v2
+    c.check_integrity()
+
+
+def test_reclaim_takes_the_lowest_priority_checkpoint_first() -> None:
+    from pagedkv.core.block_pool import BlockPool
+    from pagedkv.core.checkpoints import StateCheckpoints
+
+    pool = BlockPool(8, True)
+    states = StateCheckpoints(4, 1, pool, 4, enabled=True)
+    first, second = pool.allocate(2)
+    states.save(0, (b"root",), np.array([1], dtype=np.int32), [first], shared=True)  # older but shared
+    states.save(0, (b"root",), np.array([2], dtype=np.int32), [second])
+    pool.free([first, second])  # only the checkpoints hold the tail pages now
+    states.take()
+    assert states.reclaim(1)
+    assert [e.shared for e in states._entries.values()] == [True]  # the plain one went, not the older shared one
 
 
 def test_reset_prefix_cache_drops_checkpoints_and_their_tails() -> None:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from collections.abc import Hashable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
 import numpy as np
@@ -236,30 +237,38 @@ class StateCheckpoints:
             for g in self.groups:
                 self.emit(BlockRemoved([entry.key], "GPU", g))
 
-    def reclaimable(self, keep: Checkpoint | None = None) -> int:
-        """Attention pages only checkpoints hold (their tails) that evicting every checkpoint nobody restores
-        (`keep` excepted) would free. No side effects."""
+    def _gains(self, page: int, exclude: AbstractSet[int]) -> bool:
+        """Whether freeing `page` adds an allocatable attention page (not a hit the caller takes, not pinned:
+        a pinned page would go to the protected list)."""
+        return page not in exclude and self.token_pool.pin_count(page) == 0
+
+    def reclaimable(self, keep: Checkpoint | None = None, exclude: AbstractSet[int] = frozenset()) -> int:
+        """Allocatable attention pages (see `_gains`; `exclude`: pages the caller's hit takes) that only
+        checkpoints hold (their tails) and that evicting every checkpoint nobody restores (`keep`
+        excepted) would free. No side effects."""
         refs: Counter[int] = Counter()
         for row, entry in self._entries.items():
             if entry.pages and self.rows.ref_count(row) == 0 and (keep is None or row != keep.row):
                 refs.update(entry.pages)
-        return sum(1 for page, n in refs.items() if self.token_pool.ref_count(page) == n)
+        return sum(1 for page, n in refs.items() if self.token_pool.ref_count(page) == n and self._gains(page, exclude))
 
-    def reclaim(self, n: int, keep: Checkpoint | None = None) -> bool:
-        """When at least `n` attention pages are `reclaimable`, evict checkpoints that hold tail pages, in
-        the rows' eviction order (`keep` and restored ones excepted), until `n` pages are freed, and return
-        True; else change nothing and return False (attention pages are short)."""
-        if not n or self.reclaimable(keep) < n:
+    def reclaim(self, n: int, keep: Checkpoint | None = None, exclude: AbstractSet[int] = frozenset()) -> bool:
+        """When at least `n` attention pages are `reclaimable`, evict checkpoints that hold tail pages (`keep`
+        and restored ones excepted), lowest retention priority first and then in the rows' list order, until
+        `n` allocatable pages are freed, and return True; else change nothing and return False."""
+        if not n or self.reclaimable(keep, exclude) < n:
             return False
+        order = self.rows.keyed_order().priority
+        listed = [r for r in self.rows.free_order() if r in self._entries and self._entries[r].pages]
         freed = 0
-        for row in [r for r in self.rows.free_order() if r in self._entries]:
+        for row in sorted(listed, key=lambda r: order[r]):  # (stable: list order within a priority)
             if freed >= n:
                 break
-            pages = self._entries[row].pages
-            if not pages or (keep is not None and row == keep.row):
+            if keep is not None and row == keep.row:
                 continue
+            pages = set(self._entries[row].pages)
             self.rows.uncache((row,))  # (`_forget` drops its tail references)
-            freed += sum(1 for page in set(pages) if self.token_pool.ref_count(page) == 0)
+            freed += sum(1 for page in pages if self.token_pool.ref_count(page) == 0 and self._gains(page, exclude))
         return True
 
     # ----------------------------------------------------------------- restoring

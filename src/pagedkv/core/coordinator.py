@@ -49,7 +49,7 @@ from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, SwappedGroups, f
 from pagedkv.core.managers import GroupManager
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy
-from pagedkv.core.state_hits import find_state_hit, release_rows, save_state
+from pagedkv.core.state_hits import find_state_hit, keeps, plan_fits, release_rows, save_state
 from pagedkv.core.tables import (
     BatchTables,
     RequestPages,
@@ -161,13 +161,15 @@ class KVCacheCoordinator:
         if decoding and self._decode_step(hst, tokens._len, tokens._processed):
             return
         plan = self._plan_alloc(hst, ctx, num_scheduled_tokens)
+        if plan.checkpoint is not None and not plan_fits(self.states, plan, sum(plan.new) - self._available(hst, plan)):
+            plan = self._plan_alloc(hst, ctx, num_scheduled_tokens, checkpoints=False)  # (short: compute instead)
         if plan.rows:
             assert self.states is not None
             self.states.check_rows(plan.rows, plan.checkpoint, ctx.request_id)
         need = sum(plan.new)
         if need:
             available = self._available(hst, plan)
-            if need > available and self.states is not None and self.states.reclaim(need - available, plan.checkpoint):
+            if need > available and self.states is not None and self.states.reclaim(need - available, *keeps(plan)):
                 available = self._available(hst, plan)  # checkpoints gave their tails' pages back
             if need > available:
                 raise InsufficientBlocksError(
@@ -178,7 +180,9 @@ class KVCacheCoordinator:
                 )
         self._apply(hst, ctx, plan)
 
-    def _plan_alloc(self, st: HybridRequest, ctx: TextContext, scheduled: int | None = None) -> Plan:
+    def _plan_alloc(
+        self, st: HybridRequest, ctx: TextContext, scheduled: int | None = None, checkpoints: bool = True
+    ) -> Plan:
         tokens, ps, spec = ctx.tokens, self.page_size, self.num_speculative_tokens
         if tokens.processed_length > st.ready and tokens.processed_length > 0:
             raise ValueError(
@@ -217,8 +221,11 @@ class KVCacheCoordinator:
                     # layers only has no page to tell where: it saves at prompt ends and releases only)
                     cut = hit * ps if self._cacheable_ids else -1
                     root = self.hasher.root(ctx.cache_salt)
-                    checkpoint, hit, hit_pages, pins = find_state_hit(states, self.groups, self.pool, st, ctx, keys,
-                                                                      stop, root)  # fmt: skip
+                    if checkpoints:
+                        checkpoint, hit, hit_pages, pins = find_state_hit(states, self.groups, self.pool, st, ctx,
+                                                                          keys, stop, root)  # fmt: skip
+                    else:  # (attention pages alone are no hit: the state must be computed from the start)
+                        hit, hit_pages, pins = st.committed, [[] for _ in self.groups], []
         tail = 0 if checkpoint is None else len(checkpoint.tail)
         processed = max(tokens.processed_length, hit * ps + tail)
         if cut <= processed or cut >= len(tokens):
@@ -265,6 +272,7 @@ class KVCacheCoordinator:
             st.shared = max(st.shared, plan.hit)
         if plan.rows:  # the live and draft state rows (a hit's checkpoint held first: no eviction takes it)
             assert self.states is not None
+            st.root = self.hasher.root(ctx.cache_salt)  # (the weights version its state is computed under)
             if hit is not None:
                 self.states.hold(hit)
             rows = self.states.allocate(plan.rows)
@@ -511,11 +519,8 @@ class KVCacheCoordinator:
 
     def _null(self, group: int) -> int:
         """The null page of `group`'s pool (the state rows' own for a state group)."""
-        return (
-            self.states.rows.null_block
-            if self.states is not None and group in self._state_ids
-            else self.pool.null_block
-        )
+        states = self.states
+        return states.rows.null_block if states is not None and group in self._state_ids else self.pool.null_block
 
     def pages_needed(self, ctx: TextContext) -> tuple[int, int]:
         """(new pages net of drops, evictable hit pages) that `alloc(ctx)` would take. No side effects."""

@@ -39,6 +39,7 @@ class HybridRequest:
     cut: int = -1  # token position at which to save a state checkpoint (a cached prefix diverges there)
     ctx: Any = None  # the context of its last step (its tokens key a checkpoint saved at release)
     superseded: list[Any] = field(default_factory=list)  # its prompt-end checkpoint, the one it resumed from
+    root: bytes = b""  # the hash chain's root when its state rows were taken (a weights update changes it)
 
     @property
     def num_pages(self) -> int:

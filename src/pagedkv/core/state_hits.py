@@ -16,11 +16,11 @@ from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.checkpoints import Checkpoint, StateCheckpoints
 from pagedkv.core.context import TextContext
 from pagedkv.core.hashing import BlockHash, PrefixHasher
-from pagedkv.core.hybrid_state import HybridRequest, find_hit
+from pagedkv.core.hybrid_state import HybridRequest, Plan, find_hit
 from pagedkv.core.managers import GroupManager
 from pagedkv.core.tables import more_keys
 
-__all__ = ["find_state_hit", "release_rows", "save_state"]
+__all__ = ["find_state_hit", "keeps", "plan_fits", "release_rows", "save_state"]
 
 
 def find_state_hit(
@@ -56,13 +56,16 @@ def save_state(
     needed) and the tail after it; the tail's page in each of `token_groups` is referenced. `in_place`:
     the request is being released and its live row becomes the checkpoint (no copy); `shared`: `at` is
     where a cached prefix diverged from the request. Clears ``st.cut`` when it was `at`. Returns the
-    checkpoint (None when every row is held)."""
+    checkpoint (None when every row is held, or when the chain's root changed since the request took its
+    state rows: weights were updated, so its state is not what the new chain's keys promise)."""
+    if hasher.root(ctx.cache_salt) != st.root:
+        return None
     ps, live = states.page_size, int(st.tables[state_group].pages[0])
     k = at // ps
     if k > len(st.hashes):
         keys, st.digest = more_keys(hasher, st, ctx, k)
         st.hashes.extend(keys)
-    parent = st.hashes[k - 1] if k else (hasher.root(ctx.cache_salt),)
+    parent = st.hashes[k - 1] if k else (st.root,)
     tail = np.asarray(ctx.tokens.all[k * ps : at], dtype=np.int32)
     pages = [int(st.tables[g].pages[k]) for g in token_groups] if len(tail) else []
     if st.cut == at:
@@ -89,3 +92,17 @@ def release_rows(
             if saved is None or entry.key != saved.key:
                 states.demote(entry)
     states.free(rows)
+
+
+def keeps(plan: Plan) -> tuple[Checkpoint | None, set[int]]:
+    """What a reclaim for `plan` must not count on: its checkpoint, its hit pages and the pages it pins."""
+    return plan.checkpoint, {p for pages in plan.hit_pages for p in pages} | set(plan.pins)
+
+
+def plan_fits(states: StateCheckpoints | None, plan: Plan, short: int) -> bool:
+    """Whether `plan`'s state rows can be had and its `short` missing attention pages reclaimed from
+    checkpoint tails. No side effects."""
+    assert states is not None
+    if plan.rows > states.num_available(plan.checkpoint):
+        return False
+    return short <= 0 or states.reclaimable(*keeps(plan)) >= short
