@@ -86,3 +86,24 @@ def test_prefix_caching_off_keeps_no_checkpoint() -> None:
     requests = [serve(engine, system + tokens(4, 50 + i)) for i in range(3)]
     assert [r.cached_tokens for r in requests] == [0, 0, 0]
     assert engine.manager.num_free_blocks() == engine.manager.total_num_pages
+
+
+@pytest.mark.parametrize("model_type", ["lfm2", "qwen3_5_text"])
+def test_a_weights_update_midway_never_resumes_from_a_state_of_the_old_weights(model_type: str) -> None:
+    """One step (the prefill) under the old weights, then `update_weights`: the running request is released and
+    recomputed, and no checkpoint of old-weights state (prompt end, release) is a hit under the new version, so
+    its tokens are those of the new model on its prompt and the first token the old one produced."""
+    model = build_state_model(model_type, seed=25)
+    new = build_state_model(model_type, seed=26)
+    engine = LLMEngine.from_hf(model, page_size=16, num_pages=64, record_logits=True)
+    prompt = tokens(10, 5)
+    request = engine.add_request(prompt, NEW, stop_token_ids=[])
+    engine.step()  # the prompt's state, under the old weights: a prompt-end checkpoint inside the first page
+    first = request.output[:1]
+    assert engine.update_weights(new.state_dict(), "v2") == 1
+    engine.run()
+    assert request.cached_tokens == 0  # nothing of the old weights resumed
+    ref = copy.deepcopy(new)
+    fresh = LLMEngine.from_hf(ref, page_size=16, num_pages=64, enable_prefix_caching=False)
+    (expected,) = fresh.generate([prompt + first], max_new_tokens=NEW - 1, stop_token_ids=[])
+    assert request.output == first + expected
