@@ -171,15 +171,18 @@ def test_a_step_that_never_happened_saves_nothing_and_drops_its_restore() -> Non
     c.check_integrity()
 
 
-def test_a_hit_whose_row_is_short_computes_instead_and_a_request_with_no_row_changes_nothing() -> None:
+def test_a_hit_whose_row_is_short_adopts_it_and_a_request_with_no_row_changes_nothing() -> None:
     c = coordinator(rows=2)
     prefill(c, "a", SYSTEM)
     c.take_state_copies()  # row 0: a's live state, row 1: its prompt-end checkpoint
     b = ctx("b", [*SYSTEM, 1, 2])
     c.claim("b")
-    c.alloc(b)  # holding row 1 for the hit would leave no row for b's live state: b computes from the start
-    assert b.tokens.processed_length == 0 and c.checkpoint_cut("b") == 8
-    assert c.states is not None and len(c.states) == 0  # (its live row took the checkpoint's row)
+    c.alloc(b)  # holding row 1 would leave b no live row: b adopts it (the checkpoint ends, its state is b's)
+    assert b.tokens.processed_length == 10 and c.get_req_blocks("b", 1) == [1]
+    assert c.states is not None and len(c.states) == 0
+    c.check_integrity()  # (the tail page stays held until its copy is taken)
+    tail = c.get_req_blocks("a", 0)[2]
+    assert c.take_state_copies() == ([], [PageCopy(tail, c.get_req_blocks("b", 0)[2], 2)])  # no row copy
     d = ctx("d", [*SYSTEM, 3])
     c.claim("d")
     before = snapshot(c, d)

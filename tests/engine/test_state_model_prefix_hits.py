@@ -107,3 +107,19 @@ def test_a_weights_update_midway_never_resumes_from_a_state_of_the_old_weights(m
     fresh = LLMEngine.from_hf(ref, page_size=16, num_pages=64, enable_prefix_caching=False)
     (expected,) = fresh.generate([prompt + first], max_new_tokens=NEW - 1, stop_token_ids=[])
     assert request.output == first + expected
+
+
+def test_with_no_checkpoint_rows_the_next_turn_adopts_the_finished_requests_row() -> None:
+    """max_state_checkpoints=0 and one batch slot: one state row in all. A finished request's live row stays as a
+    checkpoint until a row is needed; its next turn takes that row as its own live state (no copy) and
+    resumes where it stopped, at parity."""
+    model = build_state_model("lfm2", seed=27)
+    ref = copy.deepcopy(model)
+    engine = LLMEngine.from_hf(model, page_size=PS, num_pages=64, max_batch_size=1, max_state_checkpoints=0,
+                               record_logits=True)  # fmt: skip
+    assert engine.summary["state_rows"] == 1
+    first = serve(engine, tokens(13, 8))
+    prompt = tokens(13, 8) + first.output + tokens(3, 9)
+    second = serve(engine, prompt)
+    assert second.cached_tokens == 13 + NEW - 1
+    check_parity("lfm2", ref, [tokens(13, 8), prompt], [first, second])

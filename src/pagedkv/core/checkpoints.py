@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
@@ -67,6 +67,15 @@ class StateCopy(NamedTuple):
 
     src: int
     dst: int
+
+
+class _Pending(NamedTuple):
+    """A restore not taken yet: the checkpoint row it holds (-1: adopted), its copies, the tail pages it holds."""
+
+    row: int
+    copy: StateCopy | None
+    pages: list[PageCopy]
+    tails: Sequence[int]
 
 
 class Checkpoint(NamedTuple):
@@ -108,7 +117,7 @@ class StateCheckpoints:
         self._by_parent: dict[ParentKey, dict[int, None]] = {}  # parent -> rows (insertion-ordered set)
         self._copies: list[StateCopy] = []
         self._page_copies: list[PageCopy] = []
-        self._restoring: dict[Hashable, tuple[int, StateCopy, list[PageCopy]]] = {}  # request -> held row, copies
+        self._restoring: dict[Hashable, _Pending] = {}  # request -> what its restore holds and queued
         self.num_saved = 0
         self.num_hits = 0
         self.emit: EventSink | None = None  # KV events: a checkpoint stored / removed, once per state group
@@ -272,41 +281,59 @@ class StateCheckpoints:
         return True
 
     # ----------------------------------------------------------------- restoring
-    def hold(self, hit: Checkpoint) -> None:
-        """Reference `hit`'s row so no allocation evicts it before `restore` queues its copy."""
-        self.rows.touch((hit.row,))
+    def take_rows(self, n: int, hit: Checkpoint | None = None, adopt: bool = False) -> list[int]:
+        """`n` rows for a request's live and draft slots. With `hit`: its row is held first, so no
+        allocation evicts it before `restore` queues its copy; with `adopt` (rows are short and its row is
+        free) the hit's row itself becomes the live row: the checkpoint ends and no state copy is needed
+        (its tail pages stay referenced until the tail copies are taken)."""
+        if hit is None:
+            return self.allocate(n)
+        if not adopt:
+            self.rows.touch((hit.row,))
+            return self.allocate(n)
+        self.token_pool.touch(hit.pages)  # (`take` uncaches the row: `_forget` drops the checkpoint's references)
+        return [*self.rows.take([hit.row]), *(self.allocate(n - 1) if n > 1 else [])]
 
-    def restore(self, request_id: Hashable, hit: Checkpoint, dst: int, tail_pages: Sequence[int]) -> None:
-        """Queue the copies of a hit: state row -> live row `dst`, tail slots -> `tail_pages` (one per
-        attention group, as `hit.pages`). The row stays held (`hold`) until `take` or `drop`."""
-        copy = StateCopy(hit.row, dst)
+    def restore(
+        self, request_id: Hashable, hit: Checkpoint, dst: int, tail_pages: Sequence[int], adopted: bool = False
+    ) -> None:
+        """Queue the copies of a hit: state row -> live row `dst` (none when `adopted`: `dst` is its row),
+        tail slots -> `tail_pages` (one per attention group, as `hit.pages`). The row, or an adopted hit's
+        tail pages, stay held (`take_rows`) until `take` or `drop`."""
+        copy = None if adopted else StateCopy(hit.row, dst)
         m = len(hit.tail)
         pages = [PageCopy(src, d, m) for src, d in zip(hit.pages, tail_pages, strict=True)] if m else []
-        self._restoring[request_id] = (hit.row, copy, pages)
-        self._copies.append(copy)
+        self._restoring[request_id] = _Pending(-1 if adopted else hit.row, copy, pages, hit.pages if adopted else ())
+        if copy is not None:
+            self._copies.append(copy)
         self._page_copies.extend(pages)
         self.num_hits += 1
 
     def drop(self, request_id: Hashable) -> None:
-        """Forget a released request's restore that was never taken (its row reference too)."""
+        """Forget a released request's restore that was never taken (its row and page references too)."""
         pending = self._restoring.pop(request_id, None)
         if pending is None:
             return
-        row, copy, pages = pending
-        self._copies.remove(copy)
-        for page in pages:
+        if pending.copy is not None:
+            self._copies.remove(pending.copy)
+        for page in pending.pages:
             self._page_copies.remove(page)
-        self.rows.free((row,))
+        self._release((pending,))
 
     def take(self) -> tuple[list[StateCopy], list[PageCopy]]:
         """Hand over every pending copy in queue order (state rows; attention tail slots) and drop the
-        restores' row references: the caller runs the copies before the next forward pass."""
+        restores' references: the caller runs the copies before the next forward pass."""
         copies, pages = self._copies, self._page_copies
         self._copies, self._page_copies = [], []
-        held = [row for row, _, _ in self._restoring.values()]
+        self._release(self._restoring.values())
         self._restoring.clear()
-        self.rows.free(held)
         return copies, pages
+
+    def _release(self, pending: Iterable[_Pending]) -> None:
+        for p in list(pending):
+            if p.row >= 0:
+                self.rows.free((p.row,))
+            self.token_pool.free(p.tails)
 
     def reset(self) -> int:
         """Drop every checkpoint nobody is restoring; returns how many."""
@@ -322,14 +349,17 @@ class StateCheckpoints:
         return out
 
     def tail_refs(self) -> Counter[int]:
-        """Attention pages the checkpoints' tails reference (the attention pool's check counts them)."""
-        return Counter(page for entry in self._entries.values() for page in entry.pages)
+        """Attention pages the checkpoints' tails (and adopted hits' pending tail copies) reference (the
+        attention pool's check counts them)."""
+        refs = Counter(page for entry in self._entries.values() for page in entry.pages)
+        refs.update(page for p in self._restoring.values() for page in p.tails)
+        return refs
 
     def check(self, live: Counter[int]) -> None:
         """Raise `IntegrityError` unless the rows pool matches `live` (request slots) plus the pending
         restores and every cached row has its entry and index."""
         holders = Counter(live)
-        holders.update(row for row, _, _ in self._restoring.values())
+        holders.update(p.row for p in self._restoring.values() if p.row >= 0)
         self.rows.check_integrity(holders)
         for row, entry in self._entries.items():
             _require(self.rows.block_hash(row) == entry.key, f"checkpoint row {row} is not cached under its key")

@@ -33,6 +33,7 @@ which keeps the same lifecycle with one table per request.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -161,11 +162,13 @@ class KVCacheCoordinator:
         if decoding and self._decode_step(hst, tokens._len, tokens._processed):
             return
         plan = self._plan_alloc(hst, ctx, num_scheduled_tokens)
-        if plan.checkpoint is not None and not plan_fits(self.states, plan, sum(plan.new) - self._available(hst, plan)):
-            plan = self._plan_alloc(hst, ctx, num_scheduled_tokens, checkpoints=False)  # (short: compute instead)
+        if plan.checkpoint is not None:  # the hit's row or tail page may be what is short: adopt or compute
+            fit = plan_fits(self.states, plan, sum(plan.new) - self._available(hst, plan))
+            plan = dataclasses.replace(plan, adopt=True) if fit == "adopt" else plan
+            plan = plan if fit else self._plan_alloc(hst, ctx, num_scheduled_tokens, checkpoints=False)
         if plan.rows:
             assert self.states is not None
-            self.states.check_rows(plan.rows, plan.checkpoint, ctx.request_id)
+            self.states.check_rows(plan.rows, None if plan.adopt else plan.checkpoint, ctx.request_id)
         need = sum(plan.new)
         if need:
             available = self._available(hst, plan)
@@ -273,9 +276,7 @@ class KVCacheCoordinator:
         if plan.rows:  # the live and draft state rows (a hit's checkpoint held first: no eviction takes it)
             assert self.states is not None
             st.root = self.hasher.root(ctx.cache_salt)  # (the weights version its state is computed under)
-            if hit is not None:
-                self.states.hold(hit)
-            rows = self.states.allocate(plan.rows)
+            rows = self.states.take_rows(plan.rows, hit, plan.adopt)
             for g in self._state_ids:
                 st.tables[g].append(rows)
         skip = plan.hit * ps + (0 if hit is None else len(hit.tail)) - processed
@@ -303,7 +304,7 @@ class KVCacheCoordinator:
         if hit is not None:  # state row -> live row; the tail's slots -> this request's page `plan.hit`
             assert self.states is not None
             tails = [int(st.tables[g].pages[plan.hit]) for g in self._decoder_ids] if len(hit.tail) else []
-            self.states.restore(ctx.request_id, hit, int(st.tables[self._state_ids[0]].pages[0]), tails)
+            self.states.restore(ctx.request_id, hit, int(st.tables[self._state_ids[0]].pages[0]), tails, plan.adopt)
             st.superseded.append(hit)
         self._refresh(st)
 

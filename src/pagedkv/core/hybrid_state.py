@@ -101,6 +101,7 @@ class Plan:
     checkpoint: Any = None  # the state checkpoint the hit resumes from (`checkpoints.Checkpoint`)
     rows: int = 0  # state rows to allocate (live and draft slots)
     cut: int = -1  # where a cached prefix diverges from this request (a checkpoint is saved there)
+    adopt: bool = False  # the hit's checkpoint row becomes the live row (rows are short, it is free)
 
 
 def prefix_misses(pages: list[int | None]) -> list[int]:

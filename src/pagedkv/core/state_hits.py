@@ -99,10 +99,15 @@ def keeps(plan: Plan) -> tuple[Checkpoint | None, set[int]]:
     return plan.checkpoint, {p for pages in plan.hit_pages for p in pages} | set(plan.pins)
 
 
-def plan_fits(states: StateCheckpoints | None, plan: Plan, short: int) -> bool:
-    """Whether `plan`'s state rows can be had and its `short` missing attention pages reclaimed from
-    checkpoint tails. No side effects."""
-    assert states is not None
-    if plan.rows > states.num_available(plan.checkpoint):
-        return False
-    return short <= 0 or states.reclaimable(*keeps(plan)) >= short
+def plan_fits(states: StateCheckpoints | None, plan: Plan, short: int) -> str | None:
+    """How `plan`'s checkpoint hit can be had: "hold" (its row held, the state copied into new rows),
+    "adopt" (rows are short but its row is free: that row becomes the request's live row), or None (its
+    `short` missing attention pages cannot be reclaimed from checkpoint tails, or no row is left). No side
+    effects."""
+    assert states is not None and plan.checkpoint is not None
+    if short > 0 and states.reclaimable(*keeps(plan)) < short:
+        return None
+    if plan.rows <= states.num_available(plan.checkpoint):
+        return "hold"
+    free = states.rows.ref_count(plan.checkpoint.row) == 0
+    return "adopt" if free and plan.rows <= states.num_available() else None
