@@ -15,6 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 from test_stateful import EXAMPLES, ManagerMachine
+from test_stateful_partial import PartialReuseMachine
 
 from pagedkv.core.context import TextContext
 
@@ -39,17 +40,7 @@ class CheckpointMachine(ManagerMachine):
 
     setup = None  # type: ignore[assignment]  # replaced by state_setup
 
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def new_sibling(self, data: st.DataObject) -> None:
-        """A request sharing a prefix of a live one, cut anywhere: divergence points and tail hits."""
-        c = data.draw(st.sampled_from(sorted(self.live.values(), key=lambda x: x.request_id)))
-        cut = data.draw(st.integers(1, len(c.tokens)))
-        tail = data.draw(st.lists(st.integers(0, 5), max_size=4))
-        sibling = TextContext(self.next_id, [*c.tokens.all[:cut].tolist(), *tail], cache_salt=c.cache_salt)
-        self.mgr.claim(sibling.request_id)
-        self.live[self.next_id] = sibling
-        self.next_id += 1
+    new_sibling = PartialReuseMachine.new_sibling  # siblings cut anywhere: divergence points and tail hits
 
     @precondition(lambda self: any(c.tokens.processed_length for c in self.live.values()))
     @rule(data=st.data())
