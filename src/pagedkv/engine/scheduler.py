@@ -38,6 +38,7 @@ class Scheduler:
     ) -> None:
         self.manager = manager
         self.swap = swap  # preempt by swapping to host rows when they have room
+        self._cuts = manager.num_state_rows > 0  # (only models with recurrent state have checkpoint cuts)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_batch_size = max_batch_size
         self.waiting: deque[Request] = deque()
@@ -72,7 +73,7 @@ class Scheduler:
 
     def _window(self, request: Request, budget: int) -> int:
         tokens = request.ctx.tokens
-        cut = self.manager.checkpoint_cut(request.request_id)  # a state checkpoint is due there (state models)
+        cut = self.manager.checkpoint_cut(request.request_id) if self._cuts else None  # a state checkpoint is due
         if cut is not None and tokens.processed_length < cut < tokens.processed_length + budget:
             budget = cut - tokens.processed_length
         if tokens.active_length > budget:
