@@ -115,14 +115,26 @@ def test_state_model_recomputes_its_state_after_preemption(model_type: str) -> N
         assert engine.summary["preemptions"] > 0, model_type
 
 
-def test_state_models_refuse_tiers_below_the_device() -> None:
-    """State checkpoints stay on the device: a host, disk or Redis connector is refused before the model
-    changes (a preempted request resumes from its on-device checkpoint instead of a swap)."""
+def test_state_models_take_tiers_below_the_device_but_are_never_swapped() -> None:
+    """A host tier serves a model with recurrent state by hash (pages and state checkpoints, a third of the rows
+    for checkpoint images); preemption recomputes from the checkpoint its release saves, never swaps."""
     model = build_state_model("bamba")
-    before = model.config._attn_implementation
-    with pytest.raises(ValueError, match="kv_connector=local: models with recurrent state"):
-        LLMEngine.from_hf(model, page_size=4, num_pages=32, kv_connector="local", host_kvcache_swap_space_gb=1)
-    assert model.config._attn_implementation == before
+    engine = LLMEngine.from_hf(model, page_size=4, num_pages=32, kv_connector="local", host_kvcache_swap_space_gb=0.01)
+    manager = engine.manager
+    assert engine.preemption_mode == "recompute" and not manager.can_swap
+    stats = manager.tier_stats()
+    assert sorted(stats) == ["host", "host_states"]
+    pages = manager.tiers.connectors[0]
+    images = manager.tiers.state_connectors[0]
+    row = pages.mover.row_bytes
+    page_bytes = pages.num_host_blocks * row
+    image_bytes = images.num_host_blocks * images.mover.row_bytes
+    total = int(0.01 * 2**30) // row * row  # the swap space in whole pages
+    assert images.num_host_blocks == total // 3 // images.mover.row_bytes > 0
+    assert page_bytes + image_bytes <= total < page_bytes + image_bytes + row
+    with pytest.raises(ValueError, match="a model with recurrent state is not swapped"):
+        LLMEngine.from_hf(build_state_model("bamba"), page_size=4, num_pages=32, kv_connector="local",
+                          host_kvcache_swap_space_gb=0.01, preemption_mode="swap")  # fmt: skip
 
 
 def test_a_state_spec_that_does_not_match_the_model_is_refused_untouched() -> None:

@@ -96,7 +96,7 @@ MANAGER_ROWS: list[Case] = [
     C("PagedKVCacheManager", f"{MISMATCH}: tier for a hybrid model", 'window + full caches with kv_connector="redis"',
       construct(lambda: PagedKVCacheManager(MultiKVCacheParams({"f": params(**REDIS), "w": params(sliding_window=8, **REDIS)}), None,
                                             16, max_batch_size=2)), ValueError,
-      "tiers below the device do not support hybrid"),
+      "tiers below the device keep pages by hash for models whose attention is all full attention"),
     # --- .claim
     C("PagedKVCacheManager.claim", f"{DUPLICATE_ID}: claimed", 'claim("a") while "a" is claimed',
       on_manager(lambda m, c: m.claim("a")), ValueError, "Request ID 'a' is already claimed"),

@@ -122,7 +122,7 @@ def test_connector_needs_caching_and_gives_hybrid_models_swap_rows_only() -> Non
     config = KVConnectorConfig(redis_url="redis://127.0.0.1:1/0")
     redis = dict(enable_prefix_caching=True, kv_connector="redis", kv_connector_config=config)
     hybrid = MultiKVCacheParams({"full": make_params(**redis), "window": make_params(**redis, sliding_window=8)})
-    with pytest.raises(ValueError, match="do not support hybrid .* kv_connector=local gives them host rows"):
+    with pytest.raises(ValueError, match="all full attention .* takes kv_connector=local, host rows for swap"):
         PagedKVCacheManager(hybrid, None, 8, max_batch_size=1)
     local = MultiKVCacheParams({"full": make_params(**LOCAL), "window": make_params(**LOCAL, sliding_window=8)})
     mgr = PagedKVCacheManager(local, None, 16, 8, max_batch_size=1)

@@ -20,6 +20,7 @@ import torch
 from pagedkv.offload.disk import DiskTier
 from pagedkv.offload.factory import create_connector
 from pagedkv.offload.format import HEADER_SIZE, encode_header
+from pagedkv.offload.transfer import PageMover
 from pagedkv.params import KVCacheParams, KVConnectorType
 
 __all__ = ["DiskCase", "HostCase", "TierCase", "drop_page_cache", "random_rows"]
@@ -106,9 +107,10 @@ class HostCase(TierCase):
     def __init__(self, params: KVCacheParams, num_pages: int, batch: int, seed: int = 0) -> None:
         params = dataclasses.replace(params, kv_connector=KVConnectorType.local, host_kvcache_swap_space_gb=1.0)
         self.buffer = params.allocate_buffers(2 * num_pages + 1)[0]
-        self.connector = create_connector(params, self.buffer, num_pages)
-        super().__init__(num_pages, self.connector.mover.row_bytes, batch)
-        [unit] = self.connector.mover.units
+        mover = PageMover(self.buffer)
+        self.connector = create_connector(params, self.buffer, num_pages, mover=mover)
+        super().__init__(num_pages, mover.row_bytes, batch)
+        [unit] = mover.units
         self.pages = unit.buffer  # uint8 [2N + 1, row]
         self.pages.copy_(random_rows(2 * num_pages + 1, self.row_bytes, seed))
         order = torch.randperm(2 * num_pages, generator=torch.Generator().manual_seed(seed))

@@ -122,10 +122,16 @@ class StateCheckpoints:
         self.num_hits = 0
         self.emit: EventSink | None = None  # KV events: a checkpoint stored / removed, once per state group
         self.groups: tuple[int, ...] = (0,)  # the state groups' indices (events name each)
+        self.saved: list[Checkpoint] | None = None  # when a list, every checkpoint saved (for the tiers below)
 
     # ----------------------------------------------------------------- queries
     def __len__(self) -> int:
         return len(self._entries)
+
+    def is_current(self, entry: Checkpoint) -> bool:
+        """Whether `entry` is still kept (not evicted, reset or adopted since it was saved)."""
+        kept = self._entries.get(entry.row)
+        return kept is not None and kept.key == entry.key
 
     def find(self, parent: ParentKey, tokens: np.ndarray, start: int = 0, stop: int | None = None) -> Checkpoint | None:
         """The checkpoint under `parent` whose tail equals ``tokens[start:stop][:m]``, m largest (ties: the
@@ -206,6 +212,8 @@ class StateCheckpoints:
         entry = self._entries[row] = Checkpoint(row, parent, np.array(tail, dtype=np.int32), tuple(pages), key, shared)
         self._by_parent.setdefault(parent, {})[row] = None
         self.num_saved += 1
+        if self.saved is not None:
+            self.saved.append(entry)
         if shared:
             self.rows.set_priority((row,), SHARED_PRIORITY)
         if self.emit is not None:

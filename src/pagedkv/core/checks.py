@@ -11,6 +11,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from pagedkv.core.block_pool import BlockPool
+from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.errors import require as _require
 from pagedkv.core.hashing import check_seed
 from pagedkv.core.hybrid_state import HybridRequest
@@ -18,7 +19,7 @@ from pagedkv.core.managers import GroupManager
 from pagedkv.core.tables import RequestPages
 from pagedkv.validation import INT32_MAX, check_int
 
-__all__ = ["check_hybrid_tables", "check_manager_args", "check_tables"]
+__all__ = ["check_hybrid_tables", "check_manager_args", "check_swap_restore", "check_tables"]
 
 
 def check_manager_args(page_size: object, caching: object, speculative: object, seed: object, *flags: object) -> None:
@@ -106,3 +107,24 @@ def check_hybrid_tables(
                     _require(pool.block_hash(page) is None and pool.ref_count(page) == 1 + extra[page],
                              f"{rid!r} group {g} private page {page} is shared or hashed")  # fmt: skip
     pool.check_integrity(holders, pins)
+
+
+def check_swap_restore(
+    request_id: Hashable, claimed: bool, groups: int, record_groups: int, stateful: bool, pool: BlockPool, need: int
+) -> None:
+    """Why a swapped-out hybrid request cannot be restored (`KVCacheCoordinator.swap_restore`): claimed, a
+    record of another group count, a model with recurrent state, or `need` pages more than the pool has."""
+    if claimed:
+        raise ValueError(f"request {request_id!r} is claimed; only a released (swapped-out) request is restored")
+    if record_groups != groups:
+        raise ValueError(f"record has {record_groups} groups, this coordinator {groups}")
+    if stateful:
+        raise ValueError("a model with recurrent state is not swapped (see swap_snapshot)")
+    available = pool.num_free - pool.num_protected
+    if need > available:
+        raise InsufficientBlocksError(
+            f"Cannot get {need} free blocks to swap request {request_id!r} back in (only {available} "
+            f"available; {pool.num_used}/{pool.num_blocks} blocks currently in use)",
+            needed=need,
+            available=available,
+        )

@@ -8,13 +8,11 @@ atomic alloc, tail-first release) and adds, per group:
 - drops: pages no later query can read return to the pool as processing
   moves on; the table keeps the null page in their place;
 - lazy allocation: window groups hold pages up to the active window only;
-- hits: the longest prefix that every group can resume from, i.e. the full
-  groups' cached run, shortened until each window group has the pages its
-  window needs just before the resume point cached (`hit_range`);
+- hits: the longest prefix that every group can resume from (`hit_range`),
+  extended from the tiers below when a `tier_link` is set (`tier_hits`);
 - pins: a dropped page that is prefix-cached, and a cached page a hit skips
-  because it lies before the window, is pinned while the request runs. The
-  request still holds that prefix in its full groups; were the window page
-  evicted, the prefix would be unhittable and the full pages dead weight.
+  because it lies before the window, is pinned while the request runs (were
+  it evicted, the prefix would be unhittable and its full pages dead weight).
   Free pinned pages are protected (up to `protected_fraction` of the pool):
   only their owner takes them back, and only when no other request holds
   pages (otherwise the caller preempts). Pages never dropped below `shared`
@@ -24,11 +22,9 @@ Recurrent state groups (`MambaManager`) take rows of a second pool that also
 keeps state checkpoints (`checkpoints.StateCheckpoints`, `state_hits`): their
 hits need a checkpoint exactly at the resume point.
 
-The structure is vLLM's `KVCacheCoordinator`: the coordinator owns one
-`BlockPool`, one page-policy manager per group (`managers.GroupManager`,
-chosen by the group's spec) and every request's tables
-(`hybrid_state.HybridRequest`). Single-group models use `BlockManager`,
-which keeps the same lifecycle with one table per request.
+The structure is vLLM's `KVCacheCoordinator`: one `BlockPool`, one
+page-policy manager per group (`managers.GroupManager`) and every request's
+tables (`hybrid_state.HybridRequest`).
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ from collections.abc import Iterable, Sequence
 from pagedkv.core import hybrid_state
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.checkpoints import Checkpoint, StateCheckpoints, StateCopy
-from pagedkv.core.checks import check_hybrid_tables, check_manager_args
+from pagedkv.core.checks import check_hybrid_tables, check_manager_args, check_swap_restore
 from pagedkv.core.context import RequestID, TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.errors import require as _require
@@ -60,6 +56,7 @@ from pagedkv.core.tables import (
     more_keys,
     required_pages,
 )
+from pagedkv.core.tier_hits import TierGroups, TierLink, tier_hit
 
 __all__ = ["KVCacheCoordinator"]
 
@@ -111,6 +108,8 @@ class KVCacheCoordinator:
             self.states = StateCheckpoints(num_state_rows, max(slots), self.pool, page_size,
                                            enabled=enable_prefix_caching, eviction_policy=eviction_policy)  # fmt: skip
             self.states.groups = tuple(self._state_ids)
+        self.tier_link: TierLink | None = None  # the tiers below, asked at a request's first alloc (`tier_hits`)
+        self.tier_groups = TierGroups(self._cacheable_ids, self._decoder_ids, (self._state_ids or [-1])[0])
 
     def claim(self, request_id: object, *, dummy: bool = False) -> None:
         """Start tracking `request_id` (no pages yet). A dummy maps to the null page only."""
@@ -161,6 +160,7 @@ class KVCacheCoordinator:
         decoding = tokens._end - tokens._processed == 1 and tokens._end == tokens._len
         if decoding and self._decode_step(hst, tokens._len, tokens._processed):
             return
+        first = self.tier_link is not None and tokens._processed == 0 and not hst.num_pages
         plan = self._plan_alloc(hst, ctx, num_scheduled_tokens)
         if plan.checkpoint is not None:  # the hit's row or tail page may be what is short: adopt or compute
             fit = plan_fits(self.states, plan, sum(plan.new) - self._available(hst, plan))
@@ -182,6 +182,23 @@ class KVCacheCoordinator:
                     available=available,
                 )
         self._apply(hst, ctx, plan)
+        if first and self.enable_prefix_caching and tokens.active_length > 1:
+            self._from_tiers(hst, ctx)
+
+    def _from_tiers(self, st: HybridRequest, ctx: TextContext) -> None:
+        """A first alloc's hit extended from the tiers (`tier_hit`): loaded pages committed, tokens skipped."""
+        assert self.tier_link is not None
+        found = tier_hit(self.tier_link, self.hasher, st, ctx, self.tier_groups, self.states is not None)
+        if found.pages > st.committed:
+            self._commit_groups(st, ctx, found.pages)
+            st.shared = max(st.shared, found.pages)
+        tokens, gained = ctx.tokens, found.tokens - ctx.tokens.processed_length
+        if gained > 0:
+            tokens.skip_processing(gained)
+            self._cache_tokens += gained
+            ctx.cached_prefix_length = tokens.processed_length
+        cut = max(st.cut, found.reach * self.page_size) if self.states is not None and self._cacheable_ids else -1
+        st.cut = cut if tokens.processed_length < cut < len(tokens) else -1
 
     def _plan_alloc(
         self, st: HybridRequest, ctx: TextContext, scheduled: int | None = None, checkpoints: bool = True
@@ -445,7 +462,7 @@ class KVCacheCoordinator:
             keys, st.digest = more_keys(self.hasher, st, ctx, n_commit)
             st.hashes.extend(keys)
         null, commit, lo = self.pool.null_block, self.pool.commit, st.committed
-        if self.hooks.emit is not None:
+        if self.hooks.emit is not None or self.hooks.offloads is not None:
             for g in self._cacheable_ids:
                 self.hooks.committed(st.hashes, lo, n_commit, ctx.tokens.all, self.page_size, g, self.groups[g].kind)
         for g in self._cacheable_ids:
@@ -461,17 +478,14 @@ class KVCacheCoordinator:
         st.committed = n_commit
 
     # ----------------------------------------------------------------- swap preemption
-    # As `BlockManager`'s: the caller copies the pages out, releases, and later restores, copies the
-    # bytes back into the fresh pages and recommits. The context is never reset: the request resumes
-    # where it stopped (state slots included: their bytes travel like any page).
+    # As `BlockManager`'s: the caller copies the pages out, releases, later restores, copies the bytes back
+    # into the fresh pages and recommits. The context is never reset: the request resumes where it stopped.
     def swap_snapshot(self, request_id: RequestID) -> tuple[list[int], SwappedGroups]:
         """Every page the request holds (group by group, table order) and its `SwappedGroups`. No side effects."""
         st = self._claimed(request_id)
         if self.states is not None:
-            raise ValueError(
-                f"request {request_id!r}: a model with recurrent state is not swapped; preempt it by release: its "
-                "state is kept as a checkpoint and its next admission resumes from it"
-            )
+            raise ValueError(f"request {request_id!r}: a model with recurrent state is not swapped; preempt it by "
+                             "release: its state is kept as a checkpoint and its next admission resumes from it")  # fmt: skip
         return hybrid_state.snapshot_request(st, self.pool.null_block)
 
     def swap_restore(self, ctx: TextContext, record: SwappedGroups) -> list[tuple[int, int]]:
@@ -480,23 +494,9 @@ class KVCacheCoordinator:
         copies the swapped bytes into them before the next forward, then calls `swap_recommit`. Raises
         `InsufficientBlocksError` / `ValueError` and changes nothing when the pool lacks pages or the
         request is claimed."""
-        if ctx.request_id in self._reqs:
-            raise ValueError(
-                f"request {ctx.request_id!r} is claimed; only a released (swapped-out) request is restored"
-            )
-        if len(record.live) != len(self.groups):
-            raise ValueError(f"record has {len(record.live)} groups, this coordinator {len(self.groups)}")
-        if self.states is not None:
-            raise ValueError("a model with recurrent state is not swapped (see swap_snapshot)")
         pool, need = self.pool, record.num_pages
-        available = pool.num_free - pool.num_protected
-        if need > available:
-            raise InsufficientBlocksError(
-                f"Cannot get {need} free blocks to swap request {ctx.request_id!r} back in (only {available} "
-                f"available; {pool.num_used}/{pool.num_blocks} blocks currently in use)",
-                needed=need,
-                available=available,
-            )
+        check_swap_restore(ctx.request_id, ctx.request_id in self._reqs, len(self.groups), len(record.live),
+                           self.states is not None, pool, need)  # fmt: skip
         fresh = pool.allocate(need) if need else []
         st = self._reqs[ctx.request_id] = hybrid_state.restore_request(record, fresh, pool.null_block)
         self._refresh(st)

@@ -101,13 +101,13 @@ class BlockHooks:
     """Attributes:
     loader: fills new pages from the tiers during `alloc` (after the device prefix cache).
     emit: receives `BlockStored` for pages committed on the device.
-    offloads: when a list, `step` appends ``(parent hash, hashes)`` for each run of newly
+    offloads: when a list, `step` appends ``(parent hash, hashes, group)`` for each run of newly
         committed pages, for the tiers to copy.
     """
 
     loader: Loader | None = None
     emit: EventSink | None = None
-    offloads: list[tuple[BlockHash | None, list[BlockHash]]] | None = None
+    offloads: list[tuple[BlockHash | None, list[BlockHash], int]] | None = None
 
     def committed(
         self, hashes: list[BlockHash], first: int, stop: int, tokens: Any, page_size: int, group: int = 0,
@@ -117,7 +117,7 @@ class BlockHooks:
         `kind`: the group's spec kind, given for models of several groups)."""
         parent = hashes[first - 1] if first else None
         if self.offloads is not None:
-            self.offloads.append((parent, hashes[first:stop]))
+            self.offloads.append((parent, hashes[first:stop], group))
         if self.emit is not None:
             ids = [int(t) for t in tokens[first * page_size : stop * page_size]]
             self.emit(BlockStored(hashes[first:stop], parent, ids, page_size, "GPU", group, kind))

@@ -203,7 +203,10 @@ def infer_optimal_batch_size(params: KVCacheParamInterface, max_seq_len: int, av
 
 
 def host_bytes_per_block(params: KVCacheParamInterface) -> int:
-    """Bytes of one page in host memory: replicated (MLA) caches keep a single copy."""
+    """Bytes of one page in host memory: replicated (MLA) caches keep a single copy; a hybrid tree's page
+    is its arena row (`pool_page_bytes`: the largest attention cache's page, state caches excluded)."""
+    if is_hybrid(params):
+        return pool_page_bytes(params)
     return sum(
         leaf.bytes_per_block // leaf.tensor_parallel_degree if leaf.replicates_kv_across_tp else leaf.bytes_per_block
         for leaf in params.leaves()

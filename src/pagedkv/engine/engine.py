@@ -94,6 +94,9 @@ class LLMEngine:
         mode = preemption_mode or ("swap" if manager.can_swap else "recompute")
         if mode not in ("swap", "recompute"):
             raise ValueError(f"preemption_mode={preemption_mode!r} must be 'swap' or 'recompute'")
+        if mode == "swap" and manager.num_state_rows:
+            raise ValueError("preemption_mode='swap': a model with recurrent state is not swapped (a preempted "
+                             "request resumes from the checkpoint its release saves); use 'recompute'")  # fmt: skip
         if mode == "swap" and not manager.can_swap:
             raise ValueError("preemption_mode='swap' needs a host tier: a local/tiered kv_connector (or host pages)")
         if manager.num_replicas != 1 or len(manager.params.devices) != 1:

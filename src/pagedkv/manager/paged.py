@@ -199,6 +199,8 @@ class PagedKVCacheManager:
         checks.check_request_id(request_id)
         if not bm.contains(request_id) and self._swapped.drop(request_id, replica_idx):
             return
+        if self.tiers.links:  # a tier copy staged for its state row or pages lands before either is reused
+            self.tiers.complete_loads()
         bm.release(request_id)
         self._apply_state_copies(replica_idx)  # a checkpoint saved at release copies before anyone moves on
         self._checked(bm)
@@ -273,11 +275,12 @@ class PagedKVCacheManager:
             checks.check_batch_characteristics(batch_characteristics, batches, self.max_batch_size)
             if max_cache_length is None:
                 max_cache_length = batch_characteristics.max_cache_valid_length
-        self.tiers.before_forward()
         bounds = batch_characteristics
         if self.hybrid:
             for r in range(self.num_replicas):  # restored checkpoints land before the forward reads them
-                self._apply_state_copies(r)
+                self._apply_state_copies(r)  # (then the tiers' loads, which may replace what they restored)
+        self.tiers.before_forward()
+        if self.hybrid:
             pairs = zip(self._managers, batches, strict=True)
             tables = [
                 [_bounded(t, bounds) for t in hybrid.replica_tables(bm, list(batch), max_cache_length)]
@@ -511,9 +514,9 @@ class PagedKVCacheManager:
         return connector.num_used_disk_blocks if connector else 0
 
     def tier_stats(self, replica_idx: int = 0) -> dict[str, dict[str, object]]:
-        """Each tier's counters (`TierStats.snapshot`) by name: "host", "disk", "redis"."""
-        connector = self._connector(replica_idx)
-        return {name: stats.snapshot() for name, stats in connector.stats.items()} if connector else {}
+        """Each tier's counters (`TierStats.snapshot`) by name: "host", "disk", "redis" (and "host_states",
+        "disk_states", "redis_states" for the state checkpoints of a model with recurrent state)."""
+        return {name: stats.snapshot() for name, stats in self.tiers.stats(replica_idx).items()}
 
     def add_kv_event_listener(self, listener: Callable[[KVEventBatch], None]) -> None:
         """Call `listener(batch)` with each replica's KV events once per `step` (and on

@@ -5,9 +5,17 @@ It hooks each replica's `BlockManager` (`hooks.loader` = the connector's
 at the points of the per-step order of Modular MAX's KV connector:
 `before_forward` (run the device copies `load` staged during `alloc`, then
 start offloads) from `runtime_inputs`, `before_step` (wait for offloads)
-and `after_step` (publish events) around `step`. A hybrid model (a
-`KVCacheCoordinator`) gets host rows for swap preemption only, with
+and `after_step` (publish events) around `step`.
+
+A model of several KV cache groups (a `KVCacheCoordinator`) whose token
+groups are all full attention, with or without recurrent state, gets the
+same tiers through a `CoordinatorTiers` (`tier_link`): pages by (group,
+hash), and state checkpoints as images under their keys, in a second
+connector that takes a third of the host rows and of the disk cap
+(`STATE_TIER_SHARE`). A hybrid with windowed groups (sliding window,
+chunked local, sinks) gets host rows for swap preemption only, with
 ``kv_connector="local"``: none of its pages goes down the tiers by hash.
+Models with recurrent state are never swapped (they resume from checkpoints).
 
 `alloc` does no tensor work: a page found below is committed as a hit at
 once, but its bytes reach the device page only at `complete_loads`, which
@@ -25,13 +33,22 @@ from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, KVEventBatch, KVEventQueue
 from pagedkv.core.hashing import BlockHash
 from pagedkv.core.memory import compute_num_host_blocks
+from pagedkv.core.tier_stats import TierStats
 from pagedkv.manager.hybrid import ReplicaBookkeeping
+from pagedkv.manager.tier_link import CoordinatorTiers, state_events
 from pagedkv.multi_params import KVCacheParamInterface
 from pagedkv.params import KVConnectorType
 
 __all__ = ["Tiering"]
 
 Listener = Callable[[KVEventBatch], None]
+
+
+def tiers_by_hash(bm: ReplicaBookkeeping) -> bool:
+    """Whether `bm`'s pages can go down the tiers by hash: one group, or every token group full attention."""
+    if not isinstance(bm, KVCacheCoordinator):
+        return True
+    return all(not g.lazy and not g.reads_encoder for g in bm.groups if not g.state_slots)
 
 
 class Tiering:
@@ -49,33 +66,55 @@ class Tiering:
         self.listeners: list[Listener] = []
         self.seq = 0
         self.connectors: list[Any] = []
+        self.links: list[CoordinatorTiers] = []  # one per replica of a model of several groups with tiers by hash
+        self.state_connectors: list[Any] = []  # the links' state checkpoint connectors
         self.swap_spaces: list[Any] = []  # one `SwapSpace` per replica when a host tier exists
         kind = params.kv_connector
         if kind in (None, KVConnectorType.null):
             return
-        hybrid = any(isinstance(bm, KVCacheCoordinator) for bm in managers)
-        if any(isinstance(bm, KVCacheCoordinator) and bm.states is not None for bm in managers):
-            raise ValueError(f"kv_connector={kind.value}: models with recurrent state (Mamba, gated delta net, "
-                             "short conv) keep state checkpoints on the device only; a preempted request "
-                             "resumes from its checkpoint there (leave kv_connector unset)")  # fmt: skip
-        if hybrid and kind is not KVConnectorType.local:
-            raise ValueError(f"kv_connector={kind.value}: tiers below the device do not support hybrid "
-                             "(several KV cache groups) models yet; kv_connector=local gives them host "
-                             "rows for swap preemption")  # fmt: skip
+        stateful = any(isinstance(bm, KVCacheCoordinator) and bm.states is not None for bm in managers)
+        by_hash = all(tiers_by_hash(bm) for bm in managers)
+        if not by_hash and kind is not KVConnectorType.local:
+            raise ValueError(f"kv_connector={kind.value}: tiers below the device keep pages by hash for models "
+                             "whose attention is all full attention (recurrent state layers included); a model "
+                             "with sliding-window, chunked or sink layers takes kv_connector=local, host rows "
+                             "for swap preemption")  # fmt: skip
         if not host_pages and kind in (KVConnectorType.local, KVConnectorType.tiered):
             host_pages = compute_num_host_blocks(params)
         elif not host_pages and params.host_kvcache_swap_space_gb is not None:
             host_pages = compute_num_host_blocks(params, any_connector=True)
-        from pagedkv.offload.factory import create_connector
+        from pagedkv.offload.factory import STATE_TIER_SHARE, create_connector, create_state_connector
+        from pagedkv.offload.transfer import PageMover
 
+        config = params.kv_connector_config
         for bm, buffer, queue in zip(managers, buffers, self.queues, strict=True):
-            connector = create_connector(params, buffer, host_pages, emit=queue.emit)
-            if not hybrid:  # a hybrid model's host rows serve swap preemption only: no page goes down by hash
+            mover = PageMover(buffer)
+            page_rows, disk = host_pages, None
+            images = None
+            if isinstance(bm, KVCacheCoordinator) and bm.states is not None:  # a third for checkpoint images
+                image_bytes = sum(int(a.shape[1]) for a in buffer.state_arenas) + (
+                    mover.row_bytes * len(bm.tier_groups.decoder)
+                )
+                image_rows = host_pages * mover.row_bytes // STATE_TIER_SHARE // image_bytes
+                page_rows = host_pages - -(-image_rows * image_bytes // mover.row_bytes)
+                if config is not None and config.disk_offload_dir is not None:
+                    disk = config.disk_max_bytes - config.disk_max_bytes // STATE_TIER_SHARE
+                images = create_state_connector(params, buffer, mover, image_rows, len(bm.tier_groups.decoder),
+                                                emit=state_events(queue.emit, bm.states.groups))  # fmt: skip
+            connector = create_connector(params, buffer, page_rows, emit=queue.emit, mover=mover, disk_bytes=disk)
+            if isinstance(bm, KVCacheCoordinator):
+                if by_hash:  # (otherwise its host rows serve swap preemption only)
+                    link = CoordinatorTiers(bm, connector, *(images or (None, None)))
+                    self.state_connectors.extend(link.connectors[1:])
+                    bm.tier_link = link
+                    bm.hooks.offloads = []
+                    self.links.append(link)
+            else:
                 bm.hooks.loader = connector.load  # stages only; `complete_loads` copies
                 bm.hooks.offloads = []
                 connector.on_failed_loads = self._forget_unloaded(bm)
             self.connectors.append(connector)
-        if host_pages:
+        if self.connectors[0].num_host_blocks and not stateful:
             from pagedkv.offload.swap_space import SwapSpace
 
             self.swap_spaces = [SwapSpace(c) for c in self.connectors]
@@ -100,13 +139,31 @@ class Tiering:
         request hits them); the requests holding them must be released and recomputed.
         """
         failed: Exception | None = None
-        for connector in self.connectors:  # every replica's copies run (and unpin), even after a failure
+        for connector in self.all_connectors:  # every replica's copies run (and unpin), even after a failure
             try:
                 connector.complete_loads()
             except Exception as error:  # noqa: BLE001 - re-raised below, after the other replicas
                 failed = failed or error
+        for link in self.links:
+            link.loads_done()
         if failed is not None:
             raise failed
+
+    @property
+    def all_connectors(self) -> list[Any]:
+        """Every replica's page connector, then the state checkpoint connectors."""
+        return [*self.connectors, *self.state_connectors]
+
+    def stats(self, replica_idx: int) -> dict[str, TierStats]:
+        """Replica `replica_idx`'s tier counters by name ("host", "disk", "redis"; "host_states", ... for a
+        model with recurrent state's checkpoint images). Empty without tiers."""
+        if not self.connectors:
+            return {}
+        out = dict(self.connectors[replica_idx].stats)
+        link = next((x for x in self.links if x.bm is self.managers[replica_idx]), None)
+        if link is not None and link.states is not None:
+            out.update(link.states.stats)
+        return out
 
     def _forget_unloaded(self, bm: ReplicaBookkeeping) -> Callable[[list[int], list[BlockHash]], None]:
         """The connector's `on_failed_loads` for `bm`: pages whose copy failed leave the prefix cache
@@ -124,14 +181,19 @@ class Tiering:
         """Run staged loads, push every queued page down and wait until every tier has written it."""
         self.complete_loads()
         self._push()
-        for connector in self.connectors:
+        for connector in self.all_connectors:
             connector.flush()
 
     def _push(self) -> None:
-        """Start offloading the runs `step` committed (staged loads must have run: pages are read)."""
+        """Start offloading the runs `step` committed (staged loads must have run: pages are read), and the
+        state checkpoints saved since the last push."""
+        for link in self.links:
+            link.push()
         for bm, connector in zip(self.managers, self.connectors, strict=False):
+            if isinstance(bm, KVCacheCoordinator):
+                continue
             runs, bm.hooks.offloads = bm.hooks.offloads or [], []
-            for parent, hashes in runs:
+            for parent, hashes, _ in runs:
                 pages = []
                 for block_hash in hashes:  # stop at the first page evicted since its commit: no gap
                     page = bm.pool.cached_page(block_hash)
@@ -144,7 +206,7 @@ class Tiering:
     def before_step(self) -> None:
         """Offloads have read their device pages, so `alloc` may evict them again; loads staged
         without a forward since (a request released before it) have run, so no host row stays pinned."""
-        for connector in self.connectors:
+        for connector in self.all_connectors:
             connector.complete_loads()
             connector.wait_for_offloads()
 
@@ -190,7 +252,7 @@ class Tiering:
     # ----------------------------------------------------------------- maintenance
     def reset(self) -> None:
         """Forget every tier's pages (staged loads run first); tell listeners when nothing stays cached."""
-        for connector in self.connectors:
+        for connector in self.all_connectors:
             connector.reset_prefix_cache()  # (`flush` runs staged loads before the host rows are cleared)
         for bm, queue in zip(self.managers, self.queues, strict=True):
             states = bm.states if isinstance(bm, KVCacheCoordinator) else None
@@ -204,9 +266,13 @@ class Tiering:
         try:
             self.sync()
         finally:  # (a failed staged copy still stops the threads and detaches the tiers)
+            for connector in self.state_connectors:
+                connector.shutdown()
             for bm, connector in zip(self.managers, self.connectors, strict=False):
                 connector.shutdown()
                 bm.hooks.loader = None
                 bm.hooks.offloads = None
-            self.connectors = []
+            for link in self.links:
+                link.detach()
+            self.connectors, self.state_connectors, self.links = [], [], []
             self.swap_spaces = []

@@ -32,7 +32,7 @@ from pagedkv.offload.format import key_bytes
 from pagedkv.offload.host import HostTier
 from pagedkv.offload.staged_loads import FailedLoads, LoadCopyError, StagedCopy, StagedLoads
 from pagedkv.offload.tier import LowerTier
-from pagedkv.offload.transfer import PageMover
+from pagedkv.offload.transfer import RowMover
 
 __all__ = ["KVConnector", "LoadCopyError"]
 
@@ -45,7 +45,7 @@ class KVConnector:
     def __init__(
         self,
         name: str,
-        mover: PageMover,
+        mover: RowMover,
         *,
         host_pages: int,
         lower: Sequence[LowerTier] = (),
@@ -137,11 +137,27 @@ class KVConnector:
             self.staged.add(StagedCopy(bid, row, source, block_hash))
         return len(slots)
 
+    def contains(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        """Whether some tier holds each page (host index, then each lower tier for the rest); no data
+        moves and no row is pinned, so a page found here may be gone (or refused) by the `load` after."""
+        keys = [key_bytes(h) for h in hashes]
+        found = [False] * len(keys)
+        if self.host is not None:
+            with self.host.index.lock:
+                found = [key in self.host.index for key in keys]
+        for tier in self.lower:
+            rest = [i for i, there in enumerate(found) if not there]
+            if not rest:
+                break
+            for i, there in zip(rest, tier.contains([keys[i] for i in rest]), strict=True):
+                found[i] = there
+        return found
+
     def _check_pages(self, block_ids: Sequence[int], hashes: Sequence[BlockHash], parent: object = None) -> None:
         """One device page id in [0, pages) per hash; hashes (and an offload's parent) are `BlockHash`es."""
         if len(block_ids) != len(hashes):
             raise ValueError(f"got {len(block_ids)} block_ids but {len(hashes)} hashes: they pair up one to one")
-        pages = self.mover.units[0].num_pages - 1  # (the last page is the null page)
+        pages = self.mover.num_pages - 1  # (the last page is the null page)
         for bid in block_ids:
             if not isinstance(bid, int) or isinstance(bid, bool) or not 0 <= bid < pages:
                 raise ValueError(f"block id {bid!r} must be an int in [0, {pages}) (a device page)")

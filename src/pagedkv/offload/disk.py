@@ -160,6 +160,10 @@ class DiskTier(LowerTier):
                     self._index[key] = None  # written by another process sharing the directory
         return count
 
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """One `stat` per key (another process sharing the directory may have written it)."""
+        return [os.path.isfile(self._file(key)) for key in keys]
+
     def _read(self, key: bytes, view: memoryview) -> bool:
         path = self._file(key)
         header = bytearray(HEADER_SIZE)

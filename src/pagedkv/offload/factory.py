@@ -9,15 +9,19 @@ from pagedkv.core.events import EventSink
 from pagedkv.multi_params import KVCacheParamInterface
 from pagedkv.offload.connector import KVConnector
 from pagedkv.offload.format import layout_fingerprint
+from pagedkv.offload.state_images import StateImageMover
 from pagedkv.offload.tier import LowerTier
-from pagedkv.offload.transfer import PageMover
+from pagedkv.offload.transfer import PageMover, RowMover
 from pagedkv.params import KVConnectorType
+from pagedkv.runtime.arena import HybridKVCacheBuffer
 from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer
 
-__all__ = ["create_connector", "describe_layout"]
+__all__ = ["STATE_TIER_SHARE", "create_connector", "create_state_connector", "describe_layout"]
+
+STATE_TIER_SHARE = 3  # a model with recurrent state gives 1/3 of its host rows and disk cap to state checkpoints
 
 
-def describe_layout(params: KVCacheParamInterface, mover: PageMover) -> list[Any]:
+def describe_layout(params: KVCacheParamInterface, mover: RowMover) -> list[Any]:
     """Every field that decides what a page row's bytes mean (the input of the layout fingerprint)."""
     out: list[Any] = []
     for leaf in params.leaves():
@@ -36,24 +40,55 @@ def create_connector(
     buffer: KVCacheBuffer | MultiKVCacheBuffer,
     host_pages: int,
     emit: EventSink | None = None,
+    *,
+    mover: RowMover | None = None,
+    disk_bytes: int | None = None,
+    hash_algo: str | None = None,
+    kind_tag: str = "",
 ) -> KVConnector:
-    """The connector of one replica: host rows (when `host_pages`), plus disk (tiered) or Redis (redis)."""
+    """The connector of one replica: host rows (when `host_pages`), plus disk (tiered) or Redis (redis).
+
+    `mover` (default: a `PageMover` of `buffer`) decides what a row holds; `disk_bytes` caps the disk tier
+    (default: the config's cap); `hash_algo` is the algorithm of the keys (default: the params'); `kind_tag`
+    names what the rows hold in the stats ("" for pages) and in the layout fingerprint."""
     kind = params.kv_connector
     config = params.kv_connector_config or KVConnectorConfig()
-    mover = PageMover(buffer)
+    mover = mover if mover is not None else PageMover(buffer)
+    algo = hash_algo or params.kv_hash_algo
     signed = [("hmac-sha256",)] if config.mac_key is not None else []  # signed pages: their own namespace
-    fingerprint = layout_fingerprint(describe_layout(params, mover) + signed, config.model_id)
+    tagged = [("rows", kind_tag)] if kind_tag else []
+    fingerprint = layout_fingerprint(describe_layout(params, mover) + tagged + signed, config.model_id)
     lower: list[LowerTier] = []
     if kind is KVConnectorType.tiered:
         from pagedkv.offload.disk import DiskTier
 
         assert config.disk_offload_dir is not None  # checked by KVCacheParams
-        lower.append(DiskTier(config.disk_offload_dir, mover.row_bytes, config.disk_max_bytes, fingerprint,
-                              params.kv_hash_algo, threads=config.io_threads, emit=emit,
-                              mac_key=config.mac_key))  # fmt: skip
+        cap = config.disk_max_bytes if disk_bytes is None else disk_bytes
+        lower.append(DiskTier(config.disk_offload_dir, mover.row_bytes, cap, fingerprint, algo,
+                              threads=config.io_threads, emit=emit, mac_key=config.mac_key))  # fmt: skip
     elif kind is KVConnectorType.redis:
         from pagedkv.offload.redis_tier import RedisTier
 
-        lower.append(RedisTier(config, mover.row_bytes, fingerprint, params.kv_hash_algo, emit=emit))
+        lower.append(RedisTier(config, mover.row_bytes, fingerprint, algo, emit=emit))
     name = kind.value if kind is not None else "null"
-    return KVConnector(name, mover, host_pages=host_pages, lower=lower, page_size=params.page_size, emit=emit)
+    connector = KVConnector(name, mover, host_pages=host_pages, lower=lower, page_size=params.page_size, emit=emit)
+    for tier in connector.tiers:
+        tier.stats.name = f"{tier.stats.name}{kind_tag}"
+    return connector
+
+
+def create_state_connector(
+    params: KVCacheParamInterface, buffer: HybridKVCacheBuffer, pages: PageMover, host_rows: int, tail_groups: int,
+    emit: EventSink | None = None,
+) -> tuple[KVConnector, StateImageMover] | None:  # fmt: skip
+    """The connector of one replica's state checkpoints (`StateImageMover` images under checkpoint keys):
+    `host_rows` image rows, and the same lower tier as the pages (a third of the disk cap, `STATE_TIER_SHARE`).
+    None when there would be no tier at all (no host row and no disk or Redis)."""
+    images = StateImageMover(buffer.state_arenas, pages, tail_groups)
+    if not host_rows and params.kv_connector not in (KVConnectorType.tiered, KVConnectorType.redis):
+        return None
+    config = params.kv_connector_config or KVConnectorConfig()
+    disk = config.disk_max_bytes // STATE_TIER_SHARE if config.disk_offload_dir is not None else None
+    connector = create_connector(params, buffer, host_rows, emit, mover=images, disk_bytes=disk, hash_algo="sha256",
+                                 kind_tag="_states")  # fmt: skip
+    return connector, images

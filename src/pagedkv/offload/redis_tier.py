@@ -152,6 +152,22 @@ class RedisTier(LowerTier):
         self._succeeded(started)
         return count
 
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """One pipelined EXISTS (per node for a cluster); all False while the tier is skipped or on an error."""
+        if not keys or not self.available:
+            return [False] * len(keys)
+        started = time.monotonic()
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.exists(self.key(key))
+                found = [bool(n) for n in pipe.execute()]
+        except self._errors as exc:
+            self._failed("lookup", exc)
+            return [False] * len(keys)
+        self._succeeded(started)
+        return found
+
     def _accept(self, key: bytes, name: str, value: bytes, view: memoryview) -> bool:
         """Copy `value`'s row into `view` if it is the valid page `key`; otherwise refuse and delete it."""
         payload = memoryview(value)[HEADER_SIZE:]

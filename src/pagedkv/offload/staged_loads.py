@@ -27,7 +27,7 @@ import torch
 from pagedkv.core.hashing import BlockHash
 
 if TYPE_CHECKING:
-    from pagedkv.offload.transfer import PageMover
+    from pagedkv.offload.transfer import RowMover
 
 __all__ = ["FailedLoads", "LoadCopyError", "StagedCopy", "StagedLoads"]
 
@@ -83,7 +83,7 @@ class StagedLoads:
         if old is not None and old.staging is None:  # (a replaced staging row is simply never copied)
             self._unpin([old.row])
 
-    def complete(self, mover: PageMover, host_rows: torch.Tensor | None) -> int:
+    def complete(self, mover: RowMover, host_rows: torch.Tensor | None) -> int:
         """Copy every staged row into its device page with `mover` (`host_rows`: the host tier's
         buffer, uint8 [H, row_bytes]), wait for the copies, unpin the host rows; returns how many.
 

@@ -52,6 +52,11 @@ class LowerTier(ABC):
         Returns how many leading rows of `dest` hold valid pages."""
 
     @abstractmethod
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the tier holds each page (no bytes read, nothing checked: a page that is there may
+        still be refused by `fetch`). False for every key while the tier is unreachable."""
+
+    @abstractmethod
     def store(self, keys: Sequence[bytes], rows: Sequence[memoryview], done: Done) -> None:
         """Write each row under its key, in the background; pages already stored are skipped.
         ``done(i)`` is called once row i is no longer read (written, skipped or failed)."""

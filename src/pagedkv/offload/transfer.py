@@ -14,12 +14,36 @@ CPU they are plain memcpys, which transfer threads run off the main thread.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from pagedkv.runtime.buffers import KVCacheBuffer, KVCacheMemory, MultiKVCacheBuffer, ReplicatedKVCacheMemory
 
-__all__ = ["PageMover"]
+__all__ = ["PageMover", "RowMover"]
+
+
+class RowMover(Protocol):
+    """What a `KVConnector` needs of its rows' source: pages (`PageMover`) or state checkpoints
+    (`offload.state_images.StateImageMover`), addressed by an int id below `num_pages`."""
+
+    row_bytes: int
+    widths: list[int]
+    cuda: bool
+
+    @property
+    def num_pages(self) -> int:
+        """Ids `to_rows` / `from_rows` accept: [0, num_pages - 1) (the last one is the null id)."""
+
+    def to_rows(self, block_ids: Sequence[int], rows: torch.Tensor, slots: Sequence[int]) -> None:
+        """``rows[slots[i]] = id block_ids[i]`` (device -> host)."""
+
+    def from_rows(self, rows: torch.Tensor, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        """``id block_ids[i] = rows[slots[i]]`` (host -> device)."""
+
+    def sync(self) -> None:
+        """Block until every copy issued so far is done."""
+
 
 _LOOP_BYTES = 1 << 16  # pages at least this big are copied one by one (one pass); smaller ones gathered
 
@@ -36,6 +60,11 @@ class PageMover:
         self.cuda = any(u.buffer.device.type == "cuda" for u in self.units)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._keep: list[torch.Tensor] = []  # temporaries an async copy still reads
+
+    @property
+    def num_pages(self) -> int:
+        """Device pages of every unit, the null page included."""
+        return self.units[0].num_pages
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
