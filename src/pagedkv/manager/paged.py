@@ -179,6 +179,8 @@ class PagedKVCacheManager:
             bm = self._bm(replica_idx)
         if type(data) is not TextContext or num_scheduled_tokens is not None:  # (types and counts, before anything)
             checks.check_alloc(data, num_scheduled_tokens)
+        if self.tiers.state_connectors:  # checkpoint images on their way down are read before alloc evicts them
+            self.tiers.before_alloc()
         bm.alloc(data, num_scheduled_tokens)
         if self.enable_runtime_checks:
             bm.check_integrity()
@@ -191,6 +193,7 @@ class PagedKVCacheManager:
             bm.step_batch(batch)
             self._apply_state_copies(r)  # checkpoints of this step's states, before the next forward moves them
             self._checked(bm)
+        self.tiers.push_states()  # (down the tiers before the next alloc may evict them)
         self.tiers.after_step()
 
     def release(self, request_id: RequestID, replica_idx: int = 0) -> None:
@@ -203,6 +206,8 @@ class PagedKVCacheManager:
             self.tiers.complete_loads()
         bm.release(request_id)
         self._apply_state_copies(replica_idx)  # a checkpoint saved at release copies before anyone moves on
+        if self.tiers.links:
+            self.tiers.push_states()
         self._checked(bm)
 
     @contextmanager

@@ -119,8 +119,7 @@ class CoordinatorTiers:
             self.bm.states.saved = None
 
     def push(self) -> None:
-        """Start copying what `step` committed down the tiers: each run of pages, then each checkpoint saved
-        since the last push and still kept (its state row and tail pages are read on the transfer thread)."""
+        """Start copying what `step` committed down the tiers: each run of pages, then `push_states`."""
         bm = self.bm
         runs, bm.hooks.offloads = bm.hooks.offloads or [], []
         for parent, hashes, group in runs:
@@ -133,7 +132,12 @@ class CoordinatorTiers:
             if ids:
                 up = None if parent is None else self.key(parent, group)
                 self.pages.offload(ids, [self.key(h, group) for h in hashes[: len(ids)]], up)
-        states = bm.states
+        self.push_states()
+
+    def push_states(self) -> None:
+        """Start copying each checkpoint saved since the last push and still kept down the tiers (its state row
+        and tail pages are read on the transfer thread: wait for it before an alloc may evict them)."""
+        states = self.bm.states
         if self.states is None or self.images is None or states is None or not states.saved:
             return
         saved, states.saved = states.saved, []

@@ -203,6 +203,17 @@ class Tiering:
                 if pages:
                     connector.offload(pages, hashes[: len(pages)], parent)
 
+    def push_states(self) -> None:
+        """Start copying the state checkpoints saved since the last push down the tiers (at `step` and `release`,
+        before an `alloc` may evict them; `before_alloc` waits for the copies)."""
+        for link in self.links:
+            link.push_states()
+
+    def before_alloc(self) -> None:
+        """Checkpoint images being copied down have been read: `alloc` may evict their rows and tail pages."""
+        for connector in self.state_connectors:
+            connector.wait_for_offloads()
+
     def before_step(self) -> None:
         """Offloads have read their device pages, so `alloc` may evict them again; loads staged
         without a forward since (a request released before it) have run, so no host row stays pinned."""

@@ -7,11 +7,14 @@ imported only when the tier that needs it is built.
 
     KVConnector        one replica's tiers: `load` (stages) / `complete_loads` / `offload` / waits
     create_connector   the connector `KVCacheParams.kv_connector` asks for
+    create_state_connector  the connector of a state model's checkpoint images
     HostTier           pinned host rows, LRU by content hash
     LowerTier          the contract of a tier below host memory
     DiskTier           one checked file per page, LRU under a byte cap
     RedisTier          pages under content-hash keys in Redis / Valkey (standalone or cluster)
     PageMover          whole pages between device buffers and host rows
+    StateImageMover    state checkpoints (state row + tail pages) between device buffers and host rows
+    RowMover           what a connector needs of its rows' source (both movers)
     SwapSpace          host rows lent to swapped-out (preempted) requests
     LoadCopyError      a staged load's device copy failed
     format             the checked on-disk / on-wire page format (a submodule)
@@ -28,11 +31,14 @@ _EXPORTS = {
     "StagedLoads": "pagedkv.offload.staged_loads",
     "create_connector": "pagedkv.offload.factory",
     "describe_layout": "pagedkv.offload.factory",
+    "create_state_connector": "pagedkv.offload.factory",
     "HostTier": "pagedkv.offload.host",
     "LowerTier": "pagedkv.offload.tier",
     "DiskTier": "pagedkv.offload.disk",
     "RedisTier": "pagedkv.offload.redis_tier",
     "PageMover": "pagedkv.offload.transfer",
+    "RowMover": "pagedkv.offload.transfer",
+    "StateImageMover": "pagedkv.offload.state_images",
     "SwapSpace": "pagedkv.offload.swap_space",
 }
 
@@ -44,9 +50,12 @@ __all__ = [
     "LowerTier",
     "PageMover",
     "RedisTier",
+    "RowMover",
     "StagedLoads",
+    "StateImageMover",
     "SwapSpace",
     "create_connector",
+    "create_state_connector",
     "describe_layout",
 ]
 
@@ -67,10 +76,11 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from pagedkv.offload.connector import KVConnector
     from pagedkv.offload.disk import DiskTier
-    from pagedkv.offload.factory import create_connector, describe_layout
+    from pagedkv.offload.factory import create_connector, create_state_connector, describe_layout
     from pagedkv.offload.host import HostTier
     from pagedkv.offload.redis_tier import RedisTier
     from pagedkv.offload.staged_loads import LoadCopyError, StagedLoads
+    from pagedkv.offload.state_images import StateImageMover
     from pagedkv.offload.swap_space import SwapSpace
     from pagedkv.offload.tier import LowerTier
-    from pagedkv.offload.transfer import PageMover
+    from pagedkv.offload.transfer import PageMover, RowMover
