@@ -113,6 +113,7 @@ def test_state_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert "| 32,768 | 1073.1 MiB | 1073.1 MiB | 1089.0 MiB (528-token blocks) | 4096.0 MiB | 0.262 |" in out
     warm = result["warm_turn"]  # 25 prompt tokens + 3 generated + 32: resumed after 25 + 3 - 1
     assert warm["turn_prompt_tokens"] == 60 and warm["cached_tokens"] == 27 and warm["same_outputs"]
+    assert warm["disk_cached_tokens"] == 27  # the restarted engine loads the same checkpoint from disk
     (fp32,) = result["throughput"]
     assert fp32["dtype"] == "fp32" and fp32["requests"] == 2 and fp32["engine_decode_tokens_per_second"] > 0
 

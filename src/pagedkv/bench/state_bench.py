@@ -16,14 +16,17 @@
 3. Time to first token of a warm conversation turn on the same model (fp32): a first turn of
    `--turn-prompt` tokens generates `--new-tokens`, then the next turn (that conversation plus 32 new
    tokens) runs on an engine with prefix caching (it resumes from the state checkpoint the first turn's
-   release saved) and on one without (it computes the whole conversation again); interleaved, best of
-   `--repeats`, each engine's first turn untimed.
+   release saved), on a restarted engine whose tiers hold the first turn on disk (empty device and host
+   rows: it loads the attention pages and the checkpoint image, checked, from files) and on one without
+   prefix caching (it computes the whole conversation again); interleaved, best of `--repeats`, each
+   engine's first turn untimed.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import shutil
 import time
 from typing import Any
 
@@ -166,35 +169,55 @@ def throughput(hidden: int, batch: int, prompt: int, new: int, repeats: int, dty
 
 
 def warm_turn(hidden: int, turn_prompt: int, new: int, repeats: int) -> dict[str, Any]:
-    """TTFT of a conversation's second turn, resumed from a state checkpoint vs computed again (fp32)."""
+    """TTFT of a conversation's second turn, resumed from a state checkpoint on the device, resumed from one
+    a restarted engine loads from disk (attention pages and the checkpoint image), and computed again (fp32)."""
+    import tempfile
+
     import torch
 
+    from pagedkv import KVConnectorConfig
     from pagedkv.engine import LLMEngine
 
     base = _model(hidden, torch.float32)
     g = torch.Generator().manual_seed(2)
     first = torch.randint(3, 1024, (turn_prompt,), generator=g).tolist()
     extra = torch.randint(3, 1024, (32,), generator=g).tolist()
+    size: dict[str, Any] = dict(page_size=16, num_pages=4 * (turn_prompt + new + 64) // 16, max_batch_size=2,
+                max_num_batched_tokens=turn_prompt + new + 64)  # fmt: skip
+    directory = tempfile.mkdtemp(prefix="pagedkv-state-bench-")
+    disk: dict[str, Any] = dict(kv_connector="tiered", host_kvcache_swap_space_gb=0.5,
+                kv_connector_config=KVConnectorConfig(model_id="state-bench", disk_offload_dir=directory))  # fmt: skip
     engines = {
-        caching: LLMEngine.from_hf(copy.deepcopy(base), page_size=16, num_pages=4 * (turn_prompt + new + 64) // 16,
-                                   max_batch_size=2, max_num_batched_tokens=turn_prompt + new + 64,
-                                   enable_prefix_caching=caching)
-        for caching in (True, False)
-    }  # fmt: skip
-    best = {True: float("inf"), False: float("inf")}
+        "device": LLMEngine.from_hf(copy.deepcopy(base), **size),
+        "recompute": LLMEngine.from_hf(copy.deepcopy(base), **size, enable_prefix_caching=False),
+        "disk": LLMEngine.from_hf(copy.deepcopy(base), **size, **disk),  # writes the first turns down
+    }
+    best = dict.fromkeys(engines, float("inf"))
     cached, outputs = {}, {}
-    for r in range(repeats):
-        for caching, engine in engines.items():
-            opening = engine.add_request(first + [3 + r], new, stop_token_ids=[])  # (a new conversation per repeat)
-            engine.run()
-            turn = engine.add_request(first + [3 + r] + opening.output + extra, 4, stop_token_ids=[])
-            engine.run()
-            assert turn.ttft is not None
-            best[caching] = min(best[caching], turn.ttft)
-            cached[caching], outputs[caching] = turn.cached_tokens, turn.output
-    return {"turn_prompt_tokens": turn_prompt + 1 + new + len(extra), "cached_tokens": cached[True],
-            "warm_ttft_seconds": best[True], "recompute_ttft_seconds": best[False],
-            "ttft_ratio": best[True] / best[False], "same_outputs": outputs[True] == outputs[False]}  # fmt: skip
+    try:
+        for r in range(repeats):
+            for kind, engine in engines.items():
+                opening = engine.add_request(first + [3 + r], new, stop_token_ids=[])  # (a new conversation per repeat)
+                engine.run()
+                prompt = first + [3 + r] + opening.output + extra
+                if kind == "disk":  # the next turn on a restarted engine: empty device and host rows
+                    engine.manager.sync_tiers()
+                    engine = LLMEngine.from_hf(copy.deepcopy(base), **size, **disk)
+                turn = engine.add_request(prompt, 4, stop_token_ids=[])
+                engine.run()
+                if kind == "disk":
+                    engine.manager.close()
+                assert turn.ttft is not None
+                best[kind] = min(best[kind], turn.ttft)
+                cached[kind], outputs[kind] = turn.cached_tokens, turn.output
+    finally:
+        engines["disk"].manager.close()
+        shutil.rmtree(directory, ignore_errors=True)
+    return {"turn_prompt_tokens": turn_prompt + 1 + new + len(extra), "cached_tokens": cached["device"],
+            "disk_cached_tokens": cached["disk"], "warm_ttft_seconds": best["device"],
+            "disk_ttft_seconds": best["disk"], "recompute_ttft_seconds": best["recompute"],
+            "ttft_ratio": best["device"] / best["recompute"], "disk_ratio": best["disk"] / best["recompute"],
+            "same_outputs": outputs["device"] == outputs["recompute"] == outputs["disk"]}  # fmt: skip
 
 
 def run_state_bench(hidden: int = 256, batch: int = 8, prompt: int = 64, new: int = 32, repeats: int = 3,
@@ -270,19 +293,23 @@ def format_state_report(r: dict[str, Any]) -> str:
         *report.table(
             [
                 "turn prompt tokens",
-                "resumed from checkpoint",
-                "TTFT, checkpoint",
+                "resumed (device / disk)",
+                "TTFT, device checkpoint",
+                "TTFT, disk checkpoint (restarted engine)",
                 "TTFT, recompute",
-                "checkpoint / recompute",
+                "device / recompute",
+                "disk / recompute",
                 "same outputs",
             ],
             [
                 (
                     w["turn_prompt_tokens"],
-                    w["cached_tokens"],
+                    f"{w['cached_tokens']} / {w['disk_cached_tokens']}",
                     f"{1e3 * w['warm_ttft_seconds']:.1f} ms",
+                    f"{1e3 * w['disk_ttft_seconds']:.1f} ms",
                     f"{1e3 * w['recompute_ttft_seconds']:.1f} ms",
                     f"{w['ttft_ratio']:.3f}",
+                    f"{w['disk_ratio']:.3f}",
                     w["same_outputs"],
                 )
                 for w in [r["warm_turn"]]
