@@ -16,7 +16,8 @@ further they reach:
 Then it stages the loads into the pages and the live state row that `alloc`
 already gave the request (no capacity is needed beyond what the miss would
 take), attention pages first: a checkpoint is staged only after every page
-before it was, so a failed load leaves the live state alone and the request
+before it was, the deepest held one that loads (a refused image falls back
+to the next), so a failed load leaves the live state alone and the request
 computes from the device hit. The coordinator commits the loaded pages as
 hits. Data moves on the tensor side before the forward (`Tiering`).
 """
@@ -89,29 +90,34 @@ def tier_hit(
     keys = st.hashes
     reach = first + (link.held_pages(keys[first:stop]) if stop > first else 0)
     none = TierHit(first, start, reach)
-    hit, position, key = reach, reach * ps, b""
-    if stateful:
-        found = _best_checkpoint(link, hasher.root(ctx.cache_salt), keys, tokens.all, ps, first, reach, start, last)
-        if found is None:
-            return none
-        hit, position, key = found
-    tables = [st.tables[g].pages[first:hit].tolist() for g in groups.cacheable]
-    if hit <= first and not stateful or hit > first and link.load_pages(tables, keys[first:hit]) < hit - first:
+    if not stateful:  # attention pages alone: every page loaded is a hit
+        got = link.load_pages(_tables(st, groups, first, reach), keys[first:reach]) if reach > first else 0
+        return TierHit(first + got, (first + got) * ps, reach) if got else none
+    held = _held_checkpoints(link, hasher.root(ctx.cache_salt), keys, tokens.all, ps, first, reach, start, last)
+    if not held:
         return none
-    if stateful:
+    deepest = max(h for h, _, _ in held)
+    got = link.load_pages(_tables(st, groups, first, deepest), keys[first:deepest]) if deepest > first else 0
+    row = int(st.tables[groups.state].pages[0])
+    for hit, position, key in held:  # the deepest that loads (a refused image falls back to the next one)
+        if hit > first + got:
+            continue
         tails = [int(st.tables[g].pages[hit]) for g in groups.decoder] if position > hit * ps else []
-        row = int(st.tables[groups.state].pages[0])
-        if not link.load_checkpoint(key, row, tails, keys[hit - 1] if hit else None):
-            return none
-    return TierHit(hit, position, reach)
+        if link.load_checkpoint(key, row, tails, keys[hit - 1] if hit else None):
+            return TierHit(hit, position, reach)
+    return none
 
 
-def _best_checkpoint(
+def _tables(st: HybridRequest, groups: TierGroups, first: int, stop: int) -> list[list[int]]:
+    return [st.tables[g].pages[first:stop].tolist() for g in groups.cacheable]
+
+
+def _held_checkpoints(
     link: TierLink, root: bytes, keys: Sequence[BlockHash], tokens: np.ndarray, ps: int, first: int, reach: int,
     start: int, last: int,
-) -> tuple[int, int, bytes] | None:  # fmt: skip
-    """(page boundary h, position, key) of the deepest checkpoint the tiers hold past `start` with attention
-    pages up to h available (device before `first`, tiers up to `reach`), resuming at most at `last`."""
+) -> list[tuple[int, int, bytes]]:  # fmt: skip
+    """(page boundary h, position, key) of every checkpoint the tiers hold past `start` with attention pages up
+    to h available (device before `first`, tiers up to `reach`), resuming at most at `last`; deepest first."""
     candidates: list[tuple[int, int, bytes]] = []
     for h in range(reach, first - 1, -1):
         parent = keys[h - 1] if h else (root,)
@@ -121,6 +127,6 @@ def _best_checkpoint(
             if start < position <= last:
                 candidates.append((h, position, checkpoint_key(parent, tokens[h * ps : position])))
     if not candidates:
-        return None
+        return []
     held = link.held_checkpoints([key for _, _, key in candidates])
-    return next((c for c, there in zip(candidates, held, strict=True) if there), None)
+    return [c for c, there in zip(candidates, held, strict=True) if there]

@@ -20,6 +20,7 @@ fingerprints of every tier (the images have a fingerprint of their own).
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from pagedkv.core.coordinator import KVCacheCoordinator
@@ -39,6 +40,43 @@ def tier_key(block_hash: BlockHash, group: int, groups: int) -> bytes:
     if groups <= 1:
         return raw
     return hashlib.sha256(b"pagedkv-group\x00" + group.to_bytes(4, "little") + raw).digest()[: len(raw)]
+
+
+class PageEvents:
+    """An event sink for the page connector of a model with several cacheable groups: its events name tier keys,
+    which this maps back to (prefix hash, group), one event per group, as the device's events name them. Keys
+    are remembered when pages go down or come back (`remember`), at most `capacity` of them (oldest forgotten
+    first; a removal of a forgotten key is not reported)."""
+
+    def __init__(self, emit: EventSink, capacity: int) -> None:
+        self.emit = emit
+        self.capacity = max(1, capacity)
+        self.keys: OrderedDict[bytes, tuple[BlockHash, int, str]] = OrderedDict()
+
+    def remember(self, key: bytes, block_hash: BlockHash, group: int, kind: str) -> None:
+        self.keys[key] = (block_hash, group, kind)
+        self.keys.move_to_end(key)
+        while len(self.keys) > self.capacity:
+            self.keys.popitem(last=False)
+
+    def __call__(self, event: KVEvent) -> None:
+        if not isinstance(event, BlockStored | BlockRemoved):
+            self.emit(event)
+            return
+        by_group: dict[tuple[int, str], list[BlockHash]] = {}
+        for key in event.block_hashes:
+            known = self.keys.get(key_bytes(key))
+            if known is not None:
+                by_group.setdefault((known[1], known[2]), []).append(known[0])
+        parent = None
+        if isinstance(event, BlockStored) and event.parent_block_hash is not None:
+            known = self.keys.get(key_bytes(event.parent_block_hash))
+            parent = None if known is None else known[0]
+        for (group, kind), hashes in by_group.items():
+            if isinstance(event, BlockStored):
+                self.emit(BlockStored(hashes, parent, event.token_ids, event.block_size, event.medium, group, kind))
+            else:
+                self.emit(BlockRemoved(hashes, event.medium, group))
 
 
 def state_events(emit: EventSink, groups: Sequence[int]) -> EventSink:
@@ -62,9 +100,11 @@ class CoordinatorTiers:
     """`TierLink` of one coordinator over `pages` (and `states`, for a model with recurrent state)."""
 
     def __init__(
-        self, bm: KVCacheCoordinator, pages: KVConnector, states: KVConnector | None, images: StateImageMover | None
-    ) -> None:
+        self, bm: KVCacheCoordinator, pages: KVConnector, states: KVConnector | None, images: StateImageMover | None,
+        events: PageEvents | None = None,
+    ) -> None:  # fmt: skip
         self.bm = bm
+        self.events = events  # (several cacheable groups: tier keys back to hashes and groups)
         self.pages = pages
         self.states = states
         self.images = images
@@ -93,10 +133,19 @@ class CoordinatorTiers:
             return len(keys)
         ids = [int(tables[j][i]) for i in range(len(keys)) for j in range(len(self.groups))]
         flat = self._flat(keys)
+        if self.events is not None:
+            self._remember(keys)
         got = self.pages.load(ids, flat)
         for i, key in enumerate(flat[:got]):
             self._loaded[key] = (keys[i // len(self.groups)], self.groups[i % len(self.groups)])
         return got // len(self.groups)
+
+    def _remember(self, hashes: Sequence[BlockHash], group: int | None = None, parent: BlockHash | None = None) -> None:
+        assert self.events is not None
+        kinds = {g.group: g.kind for g in self.bm.groups}
+        for g in self.groups if group is None else [group]:
+            for h in [*hashes, *([] if parent is None else [parent])]:
+                self.events.remember(self.key(h, g), h, g, kinds[g])
 
     def held_checkpoints(self, keys: Sequence[bytes]) -> list[bool]:
         return self.states.contains(keys) if self.states is not None else [False] * len(keys)
@@ -130,6 +179,8 @@ class CoordinatorTiers:
                     break
                 ids.append(page)
             if ids:
+                if self.events is not None:
+                    self._remember(hashes[: len(ids)], group, parent)
                 up = None if parent is None else self.key(parent, group)
                 self.pages.offload(ids, [self.key(h, group) for h in hashes[: len(ids)]], up)
         self.push_states()

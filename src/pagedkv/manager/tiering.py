@@ -35,13 +35,14 @@ from pagedkv.core.hashing import BlockHash
 from pagedkv.core.memory import compute_num_host_blocks
 from pagedkv.core.tier_stats import TierStats
 from pagedkv.manager.hybrid import ReplicaBookkeeping
-from pagedkv.manager.tier_link import CoordinatorTiers, state_events
+from pagedkv.manager.tier_link import CoordinatorTiers, PageEvents, state_events
 from pagedkv.multi_params import KVCacheParamInterface
 from pagedkv.params import KVConnectorType
 
 __all__ = ["Tiering"]
 
 Listener = Callable[[KVEventBatch], None]
+TRACKED_KEYS = 1 << 18  # tier keys a model of several attention groups maps back to hashes for its events
 
 
 def tiers_by_hash(bm: ReplicaBookkeeping) -> bool:
@@ -101,10 +102,14 @@ class Tiering:
                     disk = config.disk_max_bytes - config.disk_max_bytes // STATE_TIER_SHARE
                 images = create_state_connector(params, buffer, mover, image_rows, len(bm.tier_groups.decoder),
                                                 emit=state_events(queue.emit, bm.states.groups))  # fmt: skip
-            connector = create_connector(params, buffer, page_rows, emit=queue.emit, mover=mover, disk_bytes=disk)
+            several = isinstance(bm, KVCacheCoordinator) and by_hash and len(bm.tier_groups.cacheable) > 1
+            events = PageEvents(queue.emit, TRACKED_KEYS) if several else None
+            connector = create_connector(params, buffer, page_rows, emit=events or queue.emit, mover=mover,
+                                         disk_bytes=disk)  # fmt: skip
             if isinstance(bm, KVCacheCoordinator):
                 if by_hash:  # (otherwise its host rows serve swap preemption only)
-                    link = CoordinatorTiers(bm, connector, *(images or (None, None)))
+                    states, image_mover = images or (None, None)
+                    link = CoordinatorTiers(bm, connector, states, image_mover, events)
                     self.state_connectors.extend(link.connectors[1:])
                     bm.tier_link = link
                     bm.hooks.offloads = []

@@ -31,6 +31,9 @@ def describe_layout(params: KVCacheParamInterface, mover: RowMover) -> list[Any]
             leaf.tensor_parallel_degree, leaf.is_mla, leaf.attention_kind,
             None if quant is None else (quant.scale_dtype.name, quant.quantization_granularity),
         ))  # fmt: skip
+        spec = getattr(leaf, "state_spec", None)
+        if spec is not None:  # a state cache's row: its tensors' shapes and dtypes, not attention fields
+            out.append(("state", spec.shapes, tuple(d.name for d in spec.dtypes), spec.tp_replicated))
     out.append(tuple(mover.widths))
     return out
 
