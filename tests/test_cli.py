@@ -62,8 +62,9 @@ def test_hybrid_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     result = json.loads(path.read_text())
     assert [m["paged"] == m["minimum"] < m["all_full"] for m in result["memory"]] == [True] * 4
     hits = {(h["scenario"][0], h["policy"], h["protected_fraction"]): h for h in result["hits"]}
+    # (the all-full model shares pages within a step, schedule-time caching, which the hybrid does not)
     assert (
-        hits["E", "slru", 0.25]["hit_rate"] == hits["B", "slru", 0.25]["hit_rate"] <= hits["B", "slru", 0.25]["ideal"]
+        hits["E", "slru", 0.25]["hit_rate"] <= hits["B", "slru", 0.25]["hit_rate"] <= hits["B", "slru", 0.25]["ideal"]
     )
     assert [d["decode_us"] > 0 for d in result["decode"]] == [True, True]
 
@@ -73,10 +74,10 @@ def test_tier_demo_second_process_reads_the_first_ones_pages_from_disk(capsys: p
 
     r = run_tier_demo("tiered", requests=6, groups=3, prefix_len=64)
     fill, warm, cold = r["fill"], r["warm"], r["recompute"]
-    # 3 system prompts of 64 tokens = 4 pages each. Fill: all 6 requests start in one step, before any page
-    # is committed: nothing is reused. Warm: requests 1-3 load their prompt's pages from disk, which makes
-    # them device hits for requests 4-6 at once.
-    assert (fill["from_tiers"]["disk"], fill["from_device"], fill["cached_tokens"]) == (0, 0, 0)
+    # 3 system prompts of 64 tokens = 4 pages each. Fill: all 6 requests start in one step; requests 4-6 hit
+    # the pages requests 1-3 commit when they are scheduled (schedule-time caching, the default). Warm:
+    # requests 1-3 load their prompt's pages from disk, which makes them device hits for requests 4-6 at once.
+    assert (fill["from_tiers"]["disk"], fill["from_device"], fill["cached_tokens"]) == (0, 3 * 64, 3 * 64)
     assert (warm["from_tiers"]["disk"], warm["from_device"]) == (3 * 64, 3 * 64)
     assert warm["tier_stats"]["disk"]["refused"] == 0 and cold["from_tiers"] == {}
     assert r["identical"] == 6 and warm["outputs"] == cold["outputs"]

@@ -153,8 +153,9 @@ class MultiKVCacheParams(KVCacheParamInterface):
         return self._first().weights_version
 
     @property
-    def commit_on_alloc(self) -> bool:
-        """Pages become hittable at `alloc` rather than at `step` (shared)."""
+    def commit_on_alloc(self) -> bool | None:
+        """Pages become hittable at `alloc` rather than at `step` (shared; None: on with prefix caching for a
+        model of one group)."""
         return self._first().commit_on_alloc
 
     @property

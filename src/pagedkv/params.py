@@ -128,7 +128,7 @@ class KVCacheParamInterface:
         @property
         def weights_version(self) -> str | None: ...
         @property
-        def commit_on_alloc(self) -> bool: ...
+        def commit_on_alloc(self) -> bool | None: ...
         @property
         def enable_partial_page_reuse(self) -> bool: ...
         @property
@@ -206,7 +206,9 @@ class KVCacheParams(KVCacheParamInterface):
     protected_fraction: float = 0.25  # pool share that may keep running requests' dropped window pages
     evict_leaves_first: bool = False  # never evict a page while its prefix-chain child stays cached
     enable_partial_page_reuse: bool = False  # copy a cached last partial page's matching tokens (copy-on-write)
-    commit_on_alloc: bool = False  # pages a step will fill are hittable from `alloc` (vLLM's schedule-time caching)
+    # pages a step will fill are hittable from `alloc` (vLLM's schedule-time caching); None: on with prefix
+    # caching for a model of one KV cache group (hybrid models do not support it)
+    commit_on_alloc: bool | None = None
     weights_version: str | None = None  # folded into every hash chain's root (`set_weights_version` changes it live)
     nonfinite_kv: str = "pass"  # NaN/inf in stored KV: "pass" (stored as is) or "reject" (ValueError, nothing stored)
     max_state_checkpoints: int | None = (
@@ -249,9 +251,11 @@ class KVCacheParams(KVCacheParamInterface):
         check_int("num_eagle_speculative_tokens", self.num_eagle_speculative_tokens, 0)
         if self.num_q_heads is not None:
             check_int("num_q_heads", self.num_q_heads, 1)
-        for name in ("enable_prefix_caching", "is_mla", "enable_partial_page_reuse", "commit_on_alloc"):
+        for name in ("enable_prefix_caching", "is_mla", "enable_partial_page_reuse"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
+        if self.commit_on_alloc is not None and not isinstance(self.commit_on_alloc, bool):
+            raise TypeError(f"commit_on_alloc={self.commit_on_alloc!r} must be a bool or None (on with prefix caching)")
 
     def _validate_parallelism(self, n_devices: int) -> None:
         dp = self.data_parallel_degree

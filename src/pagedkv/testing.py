@@ -107,7 +107,7 @@ class PrefixStampModel:
     ) -> None:
         ps, blocks = self.page_size, record.blocks  # [pages+1, kv_dim, L, ps, H, D]
         pool = self.manager._managers[replica].pool
-        same_step = bool(getattr(self.manager.params, "commit_on_alloc", False))
+        same_step = bool(getattr(self.manager._managers[replica], "commit_on_alloc", False))
         reads = []
         for b, ctx in enumerate(batch):  # writes first: every layer stores the batch's KV before attention
             cached = int(record.cache_lengths[b])

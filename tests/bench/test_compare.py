@@ -113,7 +113,11 @@ def test_run_compare_writes_tables_and_plots(tmp_path: Path) -> None:
     managers = {r["manager"] for r in result["rows"]}
     if importlib.util.find_spec("vllm") is None:
         assert "vllm" in result["skipped"] and "vllm" not in managers  # reported, not faked
-    assert {"pagedkv-lru", "pagedkv-slru", "pagedkv-lfu", "pagedkv-arc", "pagedkv-lru-leaves", "belady"} <= managers
+    assert {"pagedkv-lru", "pagedkv-lru-step", "pagedkv-slru", "pagedkv-lfu", "pagedkv-arc", "pagedkv-lru-leaves",
+            "belady"} <= managers  # fmt: skip
+    lru, step = ({r["capacity_pages"]: r["hit_rate"] for r in result["rows"] if r["manager"] == m}
+                 for m in ("pagedkv-lru", "pagedkv-lru-step"))  # fmt: skip
+    assert all(lru[c] >= step[c] for c in lru)  # schedule-time caching (the default) never hits less
     caps = sorted({r["capacity_pages"] for r in result["rows"]})
     assert len(caps) == 2 and caps[-1] == unique_pages(make_trace("fewshot", 40), PS)
     top = {r["manager"]: r for r in result["rows"] if r["capacity_pages"] == caps[-1]}
@@ -132,6 +136,7 @@ def test_cli_compare_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(argv) == 0
     data = json.loads(out.read_text())
     assert [r["manager"] for r in data["rows"]] == ["pagedkv-lru"] and data["rows"][0]["hit_rate"] == 0.0
+    assert data["config"]["default_manager"] == "pagedkv-lru"  # the row that runs KVCacheParams' defaults
     assert "| nosharing |" in capsys.readouterr().out
     assert main(["bench", "compare", "--from-json", str(out)]) == 0  # re-render without replaying
     assert "| nosharing | " in capsys.readouterr().out

@@ -148,7 +148,7 @@ def test_subscriber_receives_a_scripted_run_in_order_without_gaps(algo: str, int
                             int_hashes=int_hashes)  # fmt: skip
     sub = zctx.socket(zmq.SUB)
     dealer = zctx.socket(zmq.DEALER)
-    mgr = PagedKVCacheManager(make_params(**LOCAL, n_kv_heads=2, head_dim=2, num_layers=2, kv_hash_algo=algo), None, 6,
+    mgr = PagedKVCacheManager(make_params(**LOCAL, n_kv_heads=2, head_dim=2, num_layers=2, kv_hash_algo=algo, commit_on_alloc=False), None, 6,
                               total_num_host_pages=16, max_batch_size=2, enable_runtime_checks=True)  # fmt: skip
     try:
         sub.connect(pub.endpoint)

@@ -26,7 +26,15 @@ PAGE_BYTES = 2 * 2 * 4 * 2 * 2 * 4  # layers x (K, V) x page_size x heads x head
 
 def make_manager() -> PagedKVCacheManager:
     """Two replicas of 6 device pages over 16 host pages each."""
-    params = make_params(**LOCAL, n_kv_heads=2, head_dim=2, num_layers=2, devices=[CPU, CPU], data_parallel_degree=2)
+    params = make_params(
+        **LOCAL,
+        n_kv_heads=2,
+        head_dim=2,
+        num_layers=2,
+        devices=[CPU, CPU],
+        data_parallel_degree=2,
+        commit_on_alloc=False,
+    )
     return PagedKVCacheManager(params, None, 6, total_num_host_pages=16, max_batch_size=2, enable_runtime_checks=True)
 
 

@@ -35,6 +35,7 @@ ReplicaBookkeeping = BlockManager | KVCacheCoordinator
 
 __all__ = [
     "ReplicaBookkeeping",
+    "commits_on_alloc",
     "is_hybrid",
     "group_names",
     "make_block_manager",
@@ -53,6 +54,14 @@ def group_names(params: KVCacheParamInterface) -> list[str]:
     return list(params.children)
 
 
+def commits_on_alloc(params: KVCacheParamInterface) -> bool:
+    """Whether pages become hittable at `alloc` (schedule-time caching): `commit_on_alloc` when set, else on
+    with prefix caching for a model of one KV cache group (off for hybrid models, which do not support it)."""
+    if is_hybrid(params):
+        return False
+    return params.enable_prefix_caching if params.commit_on_alloc is None else bool(params.commit_on_alloc)
+
+
 def make_block_manager(
     params: KVCacheParamInterface, total_num_pages: int, max_batch_size: int = 1
 ) -> ReplicaBookkeeping:
@@ -69,11 +78,11 @@ def make_block_manager(
     )  # fmt: skip
     if not is_hybrid(params):
         bm = BlockManager(total_num_pages, params.page_size, partial_page_reuse=params.enable_partial_page_reuse,
-                          commit_on_alloc=params.commit_on_alloc, **kwargs)  # fmt: skip
+                          commit_on_alloc=commits_on_alloc(params), **kwargs)  # fmt: skip
         bm.hasher.set_version(params.weights_version)
         return bm
     for flag in ("enable_partial_page_reuse", "commit_on_alloc"):
-        if getattr(params, flag):
+        if getattr(params, flag) is True:
             raise ValueError(f"{flag}=True does not support hybrid models (several KV cache groups: "
                              "sliding window, chunked, sinks or cross-attention caches)")  # fmt: skip
     group_names(params)  # validates the shape of the tree

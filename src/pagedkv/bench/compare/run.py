@@ -28,13 +28,14 @@ from pagedkv.bench.compare.sim import CacheAdapter, SimConfig, SimResult, simula
 from pagedkv.bench.timing import gc_frozen
 from pagedkv.bench.workloads import WORKLOADS, TraceRequest, ideal_hit_rates, make_trace, unique_pages
 
-__all__ = ["POLICIES", "add_arguments", "command", "hash_ns_per_token", "run_compare"]
+__all__ = ["DEFAULT_MANAGER", "POLICIES", "add_arguments", "command", "hash_ns_per_token", "run_compare"]
 
 # name -> KVCacheParams overrides of pagedkv's configurations
 ON_ALLOC = {"commit_on_alloc": True}  # vLLM's schedule-time caching: same-step admissions share pages
+DEFAULT_MANAGER = "pagedkv-lru"  # the row that runs KVCacheParams' defaults (the JSON's `config.default_manager`)
 POLICIES: dict[str, dict[str, Any]] = {
-    "pagedkv-lru-step": {},  # the defaults: pages hittable once their step ran
-    "pagedkv-lru": ON_ALLOC,
+    "pagedkv-lru": {},  # the defaults: LRU, pages hittable from the step that schedules them (commit_on_alloc)
+    "pagedkv-lru-step": {"commit_on_alloc": False},  # pages hittable only once their step ran
     "pagedkv-slru": {"eviction_policy": "slru", **ON_ALLOC},
     "pagedkv-lfu": {"eviction_policy": "lfu", **ON_ALLOC},
     "pagedkv-arc": {"eviction_policy": "arc", **ON_ALLOC},
@@ -122,7 +123,8 @@ def run_compare(
         "rows": rows, "ideal": ideal, "skipped": skipped, "hashing": hashing,
         "config": {"workloads": list(workloads), "num_requests": num_requests, "fractions": list(fractions),
                    "page_size": page_size, "max_num_seqs": config.max_num_seqs,
-                   "max_num_batched_tokens": config.max_num_batched_tokens, "seed": seed},
+                   "max_num_batched_tokens": config.max_num_batched_tokens, "seed": seed,
+                   "default_manager": DEFAULT_MANAGER},
     }  # fmt: skip
 
 
