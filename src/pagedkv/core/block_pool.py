@@ -41,7 +41,10 @@ its own prefix cache (the same prefix hash maps to a different page in each).
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 from array import array
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
@@ -60,6 +63,8 @@ from pagedkv.core.eviction import (
 )
 from pagedkv.core.hashing import BlockHash
 from pagedkv.validation import INT32_MAX, check_eviction, check_int
+
+_UNWANTED = float("-inf")  # the queue rank of a page no waiting request wants (evicted first)
 
 __all__ = ["BlockPool"]
 
@@ -114,6 +119,7 @@ class BlockPool:
         self._order: HeapOrder | None = None
         if eviction_policy == "lfu" or leaves_first:
             self.keyed_order()
+        self._wanted: dict[BlockHash, deque[float]] = {}  # group-0 hashes -> tickets of waiting requests (`want`)
 
     # ------------------------------------------------------------------ mutations
     def touch(self, pages: Iterable[int]) -> None:
@@ -180,6 +186,52 @@ class BlockPool:
             pages.append(page)
         self.num_evictions += n
         return pages
+
+    def want(self, keys: Iterable[BlockHash], ticket: float, delta: int = 1) -> None:
+        """Queue-aware retention: a waiting request (its place in the queue: `ticket`, lower is sooner) will hit
+        the group-0 pages cached under `keys`; `delta` -1 withdraws that want. Free cached pages no waiting
+        request wants are evicted first (in the policy's order), then wanted ones, those wanted latest first
+        (Belady's rule over the known queue); retention priorities still come first. The first want switches
+        the pool to its keyed order (`keyed_order`)."""
+        order = self.keyed_order()
+        if order.rank is None:  # (every evictable page gets its rank: unwanted ones go first from now on)
+            order.rank = self._rank
+            for page in [*self._lists.pages(PROBATION), *self._lists.pages(LRU)]:
+                order.listed(page, refresh=False)
+        wanted, cache, where = self._wanted, self._caches[0], self._lists.where
+        for key in keys:
+            tickets = wanted.get(key)
+            first = tickets[0] if tickets else None
+            if delta > 0:
+                if tickets is None:
+                    tickets = wanted[key] = deque((ticket,))
+                elif ticket >= tickets[-1]:
+                    tickets.append(ticket)
+                elif ticket <= tickets[0]:
+                    tickets.appendleft(ticket)
+                else:  # (a request queued between two others: rare)
+                    tickets.insert(bisect.bisect_left(list(tickets), ticket), ticket)
+            elif tickets is not None:
+                if first == ticket:  # (the queue's head leaves first: O(1))
+                    tickets.popleft()
+                else:
+                    with contextlib.suppress(ValueError):
+                        tickets.remove(ticket)
+                if not tickets:
+                    del wanted[key]
+            now = wanted[key][0] if key in wanted else None
+            cached = cache.get(key) if now != first else None
+            if cached is not None and where[cached] in (LRU, PROBATION):
+                order.listed(cached, refresh=False)  # (its rank changed: a new heap entry)
+
+    def _rank(self, page: int) -> float:
+        tickets = self._wanted.get(self._hash[page]) if not self._group[page] else None  # type: ignore[arg-type]
+        return -tickets[0] if tickets else _UNWANTED
+
+    @property
+    def num_wanted(self) -> int:
+        """Distinct hashes waiting requests want kept (cached or not)."""
+        return len(self._wanted)
 
     def forget(self, page: int) -> None:
         """Drop the hash of held `page` without a removal event: it was committed before its KV was

@@ -185,6 +185,7 @@ class HeapOrder:
         self.last_use = array("q", [0]) * n  # the tick of each page's last listing
         self.aging = 0
         self.key: Callable[[int], tuple[Any, ...]] | None = None  # an external key replaces the policy's
+        self.rank: Callable[[int], float] | None = None  # queue-aware retention: ordered before the policy's key
 
     # ------------------------------------------------------------------ pool events
     def listed(self, page: int, refresh: bool = True) -> None:
@@ -204,7 +205,8 @@ class HeapOrder:
             key = (self.reused[page], tick)
         else:
             key = (self.aging + self.hits[page], tick)
-        heapq.heappush(self.heap, (self.priority[page], *key, v, page))
+        rank = 0.0 if self.rank is None else self.rank(page)
+        heapq.heappush(self.heap, (self.priority[page], rank, *key, v, page))
         if len(self.heap) > 4 * (self.lists.count[LRU] + self.lists.count[PROBATION]) + 1024:
             self._compact()
 
@@ -262,7 +264,7 @@ class HeapOrder:
                 self.deferred[page] = entry  # pushed again by `forget` when its last child goes
                 continue
             if self.policy == "lfu" and self.key is None:
-                self.aging = entry[1]
+                self.aging = entry[2]
             return page
         # only chain interiors are left (their children are held or protected): oldest list page
         return self.lists.head(PROBATION if self.lists.count[PROBATION] else LRU)

@@ -10,6 +10,9 @@ recomputed as prompt. A request that runs alone halves its chunk instead of
 preempting itself. (2) Waiting requests are
 admitted while the budget, the batch size and the pool allow (`alloc` takes
 prefix-cache hits first), their prompt chunked to what the budget has left.
+At the start of each step the queue's head is told to the manager
+(`PagedKVCacheManager.expect`): the cached pages those requests will hit are
+evicted last, those of requests further back first.
 
 Every step makes progress or raises: the oldest request either gets pages
 (by preempting newer ones, then by shrinking its chunk to one token) or can
@@ -21,6 +24,7 @@ is a safety net, not a path.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 from pagedkv.core.errors import InsufficientBlocksError
@@ -39,6 +43,7 @@ class Scheduler:
         self.manager = manager
         self.swap = swap  # preempt by swapping to host rows when they have room
         self._cuts = manager.num_state_rows > 0  # (only models with recurrent state have checkpoint cuts)
+        self._expect = bool(manager.params.enable_prefix_caching) and not manager.hybrid
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_batch_size = max_batch_size
         self.waiting: deque[Request] = deque()
@@ -60,6 +65,9 @@ class Scheduler:
         """The batch of this step; each request's `ctx.tokens` window is what it runs."""
         budget = self.max_num_batched_tokens
         batch: list[Request] = []
+        if self._expect and self.waiting:  # queue-aware retention: what the queue's head will hit is kept
+            head = itertools.islice(self.waiting, max(0, self.max_batch_size - len(self.running)))
+            self.manager.expect([r.ctx for r in head])
         for request in list(self.running):
             if budget == 0 or request not in self.running:  # preempted by an earlier request of this loop
                 continue
@@ -176,6 +184,7 @@ class Scheduler:
                     self.manager.release(request.request_id)
                     if alone:
                         self.waiting.remove(request)
+                        self.manager.unexpect(request.request_id)
                         raise self._stuck(request, error) from error
                     return None
                 chunk //= 2

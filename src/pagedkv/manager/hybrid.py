@@ -56,10 +56,13 @@ def group_names(params: KVCacheParamInterface) -> list[str]:
 
 def commits_on_alloc(params: KVCacheParamInterface) -> bool:
     """Whether pages become hittable at `alloc` (schedule-time caching): `commit_on_alloc` when set, else on
-    with prefix caching for a model of one KV cache group (off for hybrid models, which do not support it)."""
+    with prefix caching for a model of one KV cache group without partial-page reuse (off for hybrid models,
+    which do not support it; partial-page reuse with it is an explicit choice, see docs/CACHE.md)."""
     if is_hybrid(params):
         return False
-    return params.enable_prefix_caching if params.commit_on_alloc is None else bool(params.commit_on_alloc)
+    if params.commit_on_alloc is None:
+        return params.enable_prefix_caching and not params.enable_partial_page_reuse
+    return bool(params.commit_on_alloc)
 
 
 def make_block_manager(

@@ -226,6 +226,18 @@ class PagedKVCacheManager:
             for request_id, r in reversed(taken):
                 self.release(request_id, r)
 
+    def expect(self, contexts: Sequence[TextContext], replica_idx: int = 0) -> int:
+        """Queue-aware retention (`BlockManager.expect`; `LLMEngine`'s scheduler calls it every step with its
+        queue's head): what those waiting requests will hit is evicted last. 0 for a hybrid model."""
+        bm = self._bm(replica_idx)
+        return bm.expect(contexts) if isinstance(bm, BlockManager) else 0
+
+    def unexpect(self, request_id: RequestID, replica_idx: int = 0) -> None:
+        """End what `expect` kept for a request that leaves the waiting queue without being admitted."""
+        bm = self._bm(replica_idx)
+        if isinstance(bm, BlockManager):
+            bm.unexpect(request_id)
+
     def pin_prefix(self, tokens: Sequence[int], priority: int = 100, duration_s: float | None = None, *,
                    cache_salt: str | None = None, replica_idx: int = 0) -> int:  # fmt: skip
         """Give the cached pages of the page-aligned prefix of `tokens` retention `priority` (0..100; 35 is
@@ -500,23 +512,19 @@ class PagedKVCacheManager:
 
     def get_num_host_pages(self, replica_idx: int = 0) -> int:
         """Host-tier pages of the replica (0 without a host tier)."""
-        connector = self._connector(replica_idx)
-        return connector.num_host_blocks if connector else 0
+        return int(getattr(self._connector(replica_idx), "num_host_blocks", 0))
 
     def get_num_used_host_pages(self, replica_idx: int = 0) -> int:
         """Host-tier pages holding cached KV."""
-        connector = self._connector(replica_idx)
-        return connector.num_used_host_blocks if connector else 0
+        return int(getattr(self._connector(replica_idx), "num_used_host_blocks", 0))
 
     def get_num_disk_pages(self, replica_idx: int = 0) -> int:
         """Disk-tier pages the replica may use (its size cap; 0 without a disk tier)."""
-        connector = self._connector(replica_idx)
-        return connector.num_disk_blocks if connector else 0
+        return int(getattr(self._connector(replica_idx), "num_disk_blocks", 0))
 
     def get_num_used_disk_pages(self, replica_idx: int = 0) -> int:
         """Disk-tier pages holding cached KV."""
-        connector = self._connector(replica_idx)
-        return connector.num_used_disk_blocks if connector else 0
+        return int(getattr(self._connector(replica_idx), "num_used_disk_blocks", 0))
 
     def tier_stats(self, replica_idx: int = 0) -> dict[str, dict[str, object]]:
         """Each tier's counters (`TierStats.snapshot`) by name: "host", "disk", "redis" (and "host_states",

@@ -48,6 +48,15 @@ class PagedKVAdapter:
     def new_step(self) -> None:
         pass
 
+    def lookahead(self, waiting: Sequence[TraceRequest]) -> None:
+        """The engine scheduler's queue-aware retention: what the next requests will hit is evicted last."""
+        contexts = []
+        for req in waiting:
+            if req.handle is None:
+                req.handle = TextContext(req.rid, req.live_tokens)
+            contexts.append(req.handle)
+        self.mgr.expect(contexts)
+
     def admit(self, req: TraceRequest, budget: int) -> tuple[int, int] | None:
         ctx = req.handle
         if ctx is None:
@@ -139,6 +148,9 @@ class BeladyOracle:
 
 class BeladyAdapter(PagedKVAdapter):
     """pagedkv's manager evicting by `BeladyOracle` (an offline bound, not a usable policy)."""
+
+    def lookahead(self, waiting: Sequence[TraceRequest]) -> None:
+        """Nothing: the oracle's eviction key reads the whole future already."""
 
     def __init__(self, params: KVCacheParams, num_pages: int, trace: Sequence[TraceRequest], order: Sequence[int],
                  max_num_seqs: int = 256) -> None:  # fmt: skip

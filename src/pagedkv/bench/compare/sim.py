@@ -28,6 +28,7 @@ is the bookkeeping cost; the driver's own work is not counted.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -59,6 +60,8 @@ class CacheAdapter(Protocol):
 
     # Optional: ``clip_chunk(req, n) -> int`` (0 <= result <= n), the chunk the engine's own
     # scheduler would run for a running request offered `n` tokens; asked before `extend`.
+    # Optional: ``lookahead(waiting)``, told at the start of each step which waiting requests come next
+    # (the queue's head, up to the free batch slots), as the engine's scheduler tells its manager.
 
     def advance(self, batch: Sequence[tuple[TraceRequest, int]]) -> None:
         """After the forward pass: each request computed its chunk; a token was appended where
@@ -88,7 +91,7 @@ class SimResult:
     steps: int = 0
     request_steps: int = 0  # (request, step) pairs scheduled
     seconds: dict[str, float] = field(
-        default_factory=lambda: dict.fromkeys(("admit", "extend", "advance", "free"), 0.0)
+        default_factory=lambda: dict.fromkeys(("admit", "extend", "advance", "free", "lookahead"), 0.0)
     )
     peak_used_pages: int = 0
     first_admission_order: list[int] = field(default_factory=list)
@@ -123,10 +126,15 @@ def simulate(
     res = SimResult(adapter.name)
     done, clock, sec = 0, time.perf_counter, res.seconds
     start = clock()
+    lookahead = getattr(adapter, "lookahead", None)
     while waiting or running:
         t0 = clock()
         adapter.new_step()
         sec["extend"] += clock() - t0
+        if lookahead is not None and waiting:  # the queue's head, as many as there are free batch slots
+            t0 = clock()
+            lookahead(list(itertools.islice(waiting, max(0, config.max_num_seqs - len(running)))))
+            sec["lookahead"] += clock() - t0
         budget = config.max_num_batched_tokens
         batch, preempted = _schedule_running(adapter, running, waiting, budget, res)
         budget -= sum(n for _, n in batch)

@@ -1,0 +1,130 @@
+"""Queue-aware retention: the cached pages waiting requests will hit are evicted last, those of requests further
+back in the queue first (`BlockPool.want`, `BlockManager.expect`). Exact page ids, torch-free."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedkv.core.block_manager import BlockManager
+from pagedkv.core.block_pool import BlockPool
+from pagedkv.core.context import TextContext
+
+PS = 4
+
+
+def ctx(rid: str, tokens: list[int]) -> TextContext:
+    return TextContext(rid, np.asarray(tokens))
+
+
+def serve(bm: BlockManager, c: TextContext) -> int:
+    """Claim, alloc, write every token, step, release; returns the cached prefix at admission."""
+    bm.claim(c.request_id)
+    bm.alloc(c)
+    hit = c.cached_prefix_length
+    c.update(7)
+    bm.step(c)
+    bm.release(c.request_id)
+    bm.check_integrity()
+    return hit
+
+
+def prompt(base: int) -> list[int]:
+    return list(range(base, base + 2 * PS + 1))  # two full pages and one token
+
+
+def test_pool_evicts_unwanted_pages_first_then_the_latest_wanted() -> None:
+    pool = BlockPool(6)
+    pages = pool.allocate(6)
+    for i, page in enumerate(pages):
+        pool.commit(page, bytes([i]) * 32)
+    pool.free(pages)  # LRU order: pages[0] (oldest) ... pages[5]
+    pool.want([bytes([0]) * 32, bytes([1]) * 32], ticket=2)  # the second request in the queue
+    pool.want([bytes([2]) * 32], ticket=1)  # the first
+    assert pool.allocate(3) == [pages[3], pages[4], pages[5]]  # nobody wants these: they go first
+    assert pool.allocate(2) == [pages[0], pages[1]]  # then what the later request wants
+    assert pool.allocate(1) == [pages[2]]
+
+
+def test_withdrawn_wants_restore_the_policy_order() -> None:
+    pool = BlockPool(3)
+    pages = pool.allocate(3)
+    for i, page in enumerate(pages):
+        pool.commit(page, bytes([i]) * 32)
+    pool.free(pages)
+    pool.want([bytes([0]) * 32], ticket=1)
+    pool.want([bytes([0]) * 32], ticket=1, delta=-1)
+    assert pool.num_wanted == 0
+    assert pool.allocate(1) == [pages[0]]  # LRU again
+
+
+def cached(bm: BlockManager, tokens: list[int]) -> int:
+    """Leading full pages of `tokens` the prefix cache holds."""
+    n = (len(tokens) - 1) // PS
+    keys, _ = bm.hasher.extend(np.asarray(tokens), 0, n, bm.hasher.root(None))
+    return len(bm.pool.lookup(keys, 0, n))
+
+
+@pytest.mark.parametrize("expect", [False, True])
+def test_a_waiting_request_keeps_its_prefix_while_others_are_served(expect: bool) -> None:
+    """Two prompts of 2 full pages are cached (A's older) beside 3 fresh pages. A waits for A's prefix; a stranger
+    needing 5 pages is served first: LRU evicts A's pages, queue-aware retention B's."""
+    bm = BlockManager(7, PS, enable_prefix_caching=True)
+    assert serve(bm, ctx("a", prompt(100))) == 0
+    assert serve(bm, ctx("b", prompt(200))) == 0
+    waiting = ctx("a2", prompt(100))
+    if expect:
+        assert bm.expect([waiting]) == 1
+        assert bm.expect([waiting]) == 0  # known already
+    bm.claim("s")
+    bm.alloc(ctx("s", list(range(300, 300 + 5 * PS))))  # 3 fresh pages, then 2 evicted
+    bm.check_integrity()
+    assert (cached(bm, prompt(100)), cached(bm, prompt(200))) == ((2, 0) if expect else (0, 2))
+    bm.release("s")
+    assert serve(bm, waiting) == (2 * PS if expect else 0)
+    assert bm.pool.num_wanted == 0  # the want ended at a2's admission
+
+
+def test_a_request_requeued_at_the_front_is_kept_before_those_behind_it() -> None:
+    """The queue is [c, b] when first told, then [a, c, b] (a preempted request goes back to the front): a's
+    ticket is lower than c's, so b's pages (the last) go first, then c's, and a's last."""
+    bm = BlockManager(9, PS, enable_prefix_caching=True)
+    for name, base in (("a", 100), ("b", 200), ("c", 300)):
+        serve(bm, ctx(name, prompt(base)))
+    bm.expect([ctx("c2", prompt(300)), ctx("b2", prompt(200))])
+    bm.expect([ctx("a2", prompt(100)), ctx("c2", prompt(300)), ctx("b2", prompt(200))])
+    bm.claim("s")
+    bm.alloc(ctx("s", list(range(400, 400 + 5 * PS))))  # 5 pages: 3 fresh, then b's 2
+    assert [cached(bm, prompt(base)) for base in (100, 300, 200)] == [2, 2, 0]
+    bm.release("s")
+    bm.claim("t")
+    bm.alloc(ctx("t", list(range(500, 500 + 7 * PS))))  # 7 pages: the stranger's 5, then c's 2
+    assert [cached(bm, prompt(base)) for base in (100, 300, 200)] == [2, 0, 0]
+    bm.release("t")
+    bm.check_integrity()
+
+
+def test_expect_ignores_running_and_resumed_requests_and_caching_off() -> None:
+    bm = BlockManager(8, PS, enable_prefix_caching=True)
+    running = ctx("r", prompt(100))
+    bm.claim("r")
+    bm.alloc(running)
+    resumed = ctx("w", prompt(100))
+    resumed.tokens.skip_processing(PS)  # a swapped-out request keeps its progress
+    assert bm.expect([running, resumed]) == 0 and bm.pool.num_wanted == 0
+    off = BlockManager(8, PS, enable_prefix_caching=False)
+    assert off.expect([ctx("x", prompt(100))]) == 0
+    with pytest.raises(TypeError, match="contexts holds list, expected TextContext"):
+        bm.expect([[1, 2, 3]])  # type: ignore[list-item]
+    bm.release("r")
+    bm.check_integrity()
+
+
+def test_unexpect_ends_a_want_of_a_request_that_leaves_the_queue() -> None:
+    bm = BlockManager(8, PS, enable_prefix_caching=True)
+    serve(bm, ctx("a", prompt(100)))
+    bm.expect([ctx("a2", prompt(100))])
+    assert bm.pool.num_wanted == 2
+    bm.unexpect("a2")
+    bm.unexpect("a2")  # (no-op)
+    assert bm.pool.num_wanted == 0
