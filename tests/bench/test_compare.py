@@ -145,3 +145,20 @@ def test_cli_compare_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_cli_default_policies_are_the_benchmarks() -> None:
     args = parser().parse_args(["bench", "compare"])
     assert tuple(args.policies.split(",")) == tuple(POLICIES)
+
+
+def test_max_without_its_environment_is_reported_skipped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PAGEDKV_MAX_PYTHON", str(tmp_path / "no-such-python"))
+    result = run_compare(["nosharing"], 10, fractions=[1.0], peers=["max"], policies=["pagedkv-lru"], belady=False)
+    assert [r["manager"] for r in result["rows"]] == ["pagedkv-lru"]
+    assert "no-such-python" in result["skipped"]["max"] and ".venv-max" in result["skipped"]["max"]
+    assert "Skipped max:" in format_markdown(result)
+
+
+def test_max_python_defaults_to_the_checkouts_venv(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedkv.bench.compare import peer_max
+
+    monkeypatch.delenv("PAGEDKV_MAX_PYTHON", raising=False)
+    root = Path(peer_max.__file__).resolve().parents[4]
+    assert peer_max.max_python() == str(root / ".venv-max" / "bin" / "python")
+    assert (root / "pyproject.toml").exists()

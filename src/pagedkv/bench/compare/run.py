@@ -6,7 +6,9 @@ fractions of the pages an unbounded cache would end up holding (never below
 trace through:
 
 - pagedkv with each eviction policy (`POLICIES`);
-- the peers, real vLLM and SGLang code, when importable (else reported skipped);
+- the peers, real vLLM and SGLang code, when importable (else reported skipped), and Modular MAX's
+  own manager, replayed by a worker in MAX's environment (`peer_max.MaxWorker`: the same driver and
+  timing, inside that process; reported skipped when that environment is missing);
 - Belady's offline-optimal eviction on pagedkv's manager (two passes: the
   future is read from the previous pass's order of first admissions).
 
@@ -23,6 +25,7 @@ from typing import Any
 
 from pagedkv.bench import timing
 from pagedkv.bench.compare.pagedkv_adapter import BeladyAdapter, PagedKVAdapter, compare_params
+from pagedkv.bench.compare.peer_max import MaxWorker
 from pagedkv.bench.compare.peers import PeerUnavailable, load_peer
 from pagedkv.bench.compare.sim import CacheAdapter, SimConfig, SimResult, simulate
 from pagedkv.bench.timing import gc_frozen
@@ -73,7 +76,7 @@ def run_compare(
     workloads: Sequence[str] = tuple(WORKLOADS),
     num_requests: int = 1000,
     fractions: Sequence[float] = FRACTIONS,
-    peers: Sequence[str] = ("vllm", "sglang"),
+    peers: Sequence[str] = ("vllm", "sglang", "max"),
     policies: Sequence[str] = tuple(POLICIES),
     belady: bool = True,
     page_size: int = 16,
@@ -90,6 +93,7 @@ def run_compare(
     ideal: dict[str, dict[str, float]] = {}
     skipped: dict[str, str] = {}
     hashing: dict[str, dict[str, float]] = {}
+    max_worker: list[MaxWorker] = []  # started at MAX's first replay, closed at the end
     for workload in workloads:
         trace = make_trace(workload, num_requests, seed)
         page_ideal, token_ideal = ideal_hit_rates(trace, page_size)
@@ -107,18 +111,24 @@ def run_compare(
                     ticker(workload, pages, None, f"{peer} skipped")
                     continue
                 try:
-                    adapter = load_peer(peer, num_pages=pages, page_size=page_size)
+                    if peer == "max":  # in MAX's own environment: the worker replays and times it there
+                        max_worker = max_worker or [MaxWorker()]
+                        res = max_worker[0].replay(pages, page_size, config, workload=workload,
+                                                   num_requests=num_requests, seed=seed)  # fmt: skip
+                    else:
+                        res = _replay(load_peer(peer, num_pages=pages, page_size=page_size), trace, config)
                 except PeerUnavailable as exc:
                     skipped[peer] = str(exc)
                     ticker(workload, pages, None, f"{peer} skipped")
                     continue
-                res = _replay(adapter, trace, config)
                 rows.append(_row(workload, pages, res))
                 ticker(workload, pages, res)
             if belady:
                 res = _belady(trace, pages, page_size, order, config)
                 rows.append(_row(workload, pages, res))
                 ticker(workload, pages, res)
+    for worker in max_worker:
+        worker.close()
     return {
         "rows": rows, "ideal": ideal, "skipped": skipped, "hashing": hashing,
         "config": {"workloads": list(workloads), "num_requests": num_requests, "fractions": list(fractions),
@@ -177,7 +187,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=1000, help="requests per workload")
     p.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
                    help="capacities, as fractions of the pages an unbounded cache would hold")  # fmt: skip
-    p.add_argument("--peers", default="vllm,sglang", help="peer managers to load ('' for none)")
+    p.add_argument("--peers", default="vllm,sglang,max",
+                   help="peer managers to load ('' for none); max runs in $PAGEDKV_MAX_PYTHON or .venv-max")  # fmt: skip
     p.add_argument(
         "--policies", default=",".join(POLICIES), help="pagedkv configurations (POLICIES in bench/compare/run.py)"
     )
