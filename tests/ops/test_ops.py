@@ -114,16 +114,25 @@ def attention(step: Step, backend: str, **kwargs: Any) -> torch.Tensor:
         return ops.paged_attention(step.query, step.inputs, step.offsets, LAYER, **kwargs)
 
 
+NO_BATCH = {"torch_ops._DECODE_BATCHED": False}
 TORCH_PATHS = {  # torch_ops knobs ("module.attr") that force each code path on these small batches
     "default": {},
-    "decode loop": {"torch_ops._LOOP_MIN_KEYS": 1},
-    "decode loop, one page per chunk": {"torch_ops._LOOP_MIN_KEYS": 1, "torch_decode._CHUNK_KV_BYTES": 1},
+    "decode batched": {"torch_ops._LOOP_MIN_KEYS": 1},
+    "decode batched, one token per group": {"torch_ops._LOOP_MIN_KEYS": 1, "torch_decode._BATCH_KV_BYTES": 1},
+    "decode loop": {**NO_BATCH, "torch_ops._LOOP_MIN_KEYS": 1},
+    "decode loop, one page per chunk": {
+        **NO_BATCH,
+        "torch_ops._LOOP_MIN_KEYS": 1,
+        "torch_decode._CHUNK_KV_BYTES": 1,
+    },  # fmt: skip
     "decode loop, explicit chunks": {
+        **NO_BATCH,
         "torch_ops._LOOP_MIN_KEYS": 1,
         "torch_decode._CHUNK_KV_BYTES": 1,
         "torch_decode._FLASH": None,
     },  # fmt: skip
     "padded, one request and query row per block": {
+        **NO_BATCH,
         "torch_padded._CHUNK_BYTES": 1,
         "torch_ops._LOOP_MIN_KEYS": 10**9,
     },  # fmt: skip
@@ -131,18 +140,43 @@ TORCH_PATHS = {  # torch_ops knobs ("module.attr") that force each code path on 
 KNOB_MODULES = {"torch_ops": torch_ops, "torch_decode": torch_decode, "torch_padded": torch_padded}
 
 
+def expected_paths(step: Step, kwargs: dict[str, Any]) -> dict[str, str]:
+    """The decode path each `TORCH_PATHS` setting must take: "batched" (full attention, no softcap, sinks or
+    ALiBi), "loop", or "other" (the padded path: prefill steps, and the default's small decode batches)."""
+    if not step.decode:
+        return {}
+    plain = all(kwargs.get(k) is None for k in ("softcap", "sinks", "alibi_slopes", "sliding_window", "chunk_size"))
+    want = {n: "loop" for n in TORCH_PATHS if n.startswith(("decode", "default"))}
+    for name in ("default", "decode batched", "decode batched, one token per group"):
+        want[name] = "batched" if plain else "loop"
+    if not plain and _small(step):
+        del want["default"]  # few keys: the padded path
+    return want
+
+
+def _small(step: Step) -> bool:
+    """Whether the step's longest key window is under `_LOOP_MIN_KEYS` (the default then pads)."""
+    lengths = step.inputs.cache_lengths + (step.offsets[1:] - step.offsets[:-1])  # [B]
+    return int(lengths.max()) < torch_ops._LOOP_MIN_KEYS
+
+
 def torch_outputs(step: Step, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> dict[str, torch.Tensor]:
-    """The torch backend's output under every `TORCH_PATHS` setting (checking decode steps took the loop)."""
-    outs, looped = {}, []
-    decode_loop = torch_ops._decode_loop
+    """The torch backend's output under every `TORCH_PATHS` setting (checking which decode path each took)."""
+    outs, taken = {}, {}
+    decode_loop, decode_batched = torch_ops._decode_loop, torch_ops._decode_batched
     for name, knobs in TORCH_PATHS.items():
         with monkeypatch.context() as m:
             for knob, value in knobs.items():
                 module, attr = knob.split(".")
                 m.setattr(KNOB_MODULES[module], attr, value)
-            m.setattr(torch_ops, "_decode_loop", lambda *args, name=name: looped.append(name) or decode_loop(*args))
+            m.setattr(torch_ops, "_decode_loop", lambda *a, name=name: taken.update({name: "loop"}) or decode_loop(*a))
+            m.setattr(
+                torch_ops,
+                "_decode_batched",
+                lambda *a, name=name: taken.update({name: "batched"}) or decode_batched(*a),
+            )
             outs[name] = attention(step, "torch", **kwargs)
-    assert looped == ([n for n in TORCH_PATHS if n.startswith("decode loop")] if step.decode else [])
+    assert taken == expected_paths(step, kwargs)
     return outs
 
 

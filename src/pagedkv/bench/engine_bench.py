@@ -1,4 +1,4 @@
-"""`pagedkv bench engine`: what prefix caching saves the engine on the demo workload.
+"""`pagedkv bench engine`: what prefix caching saves the engine on the demo workload; `--compare-hf`: vs transformers.
 
 Serves the demo workload (groups of requests sharing a system prompt) with
 prefix caching on and off, alternating runs side by side, and reports the
@@ -76,13 +76,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=48, help="requests of the demo workload")
     p.add_argument("--repeats", type=int, default=3, help="runs each way, interleaved; the best is kept")
     p.add_argument("--seed", type=int, default=0, help="seed of the demo workload")
+    p.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="also serve an 8-layer Llama (random weights; 16 prompts of 256 tokens, 64 new) with pagedkv, "
+        "transformers' generate() and generate_batch(), fp32 and bf16 (about 5 minutes on 2 cores)",
+    )
+    p.add_argument("--compare-only", action="store_true", help="--compare-hf without the demo workload")
+    p.add_argument("--compare-repeats", type=int, default=2, help="runs of each way in --compare-hf; the best is kept")
+    p.add_argument("--compare-dtypes", default="float32,bfloat16", help="comma-separated dtypes of --compare-hf")
 
 
 def command(args: argparse.Namespace) -> int:
     """`pagedkv bench engine`: serve both ways, print the table, write --json / --plots."""
     import torch
 
-    torch.set_num_threads(1)  # the demo model is tiny: one thread is faster and steadier
-    result = run_engine_bench(num_requests=args.requests, repeats=args.repeats, seed=args.seed)
-    report.finish(args, format_engine_report(result), result, plots)
+    threads = torch.get_num_threads()
+    result: dict[str, Any] = {}
+    text = []
+    if not args.compare_only:
+        torch.set_num_threads(1)  # the demo model is tiny: one thread is faster and steadier
+        result = run_engine_bench(num_requests=args.requests, repeats=args.repeats, seed=args.seed)
+        text.append(format_engine_report(result))
+    if args.compare_hf or args.compare_only:
+        from pagedkv.bench import engine_hf
+
+        torch.set_num_threads(threads)  # a real model size: every core, as transformers runs by default
+        dtypes = tuple(d.strip() for d in args.compare_dtypes.split(",") if d.strip())
+        result["compare_hf"] = engine_hf.compare_hf(dtypes=dtypes, repeats=args.compare_repeats)
+        text.append(engine_hf.format_compare_report(result["compare_hf"]))
+    report.finish(args, "\n\n".join(text), result, plots if "ttft_mean_on" in result else None)
     return 0

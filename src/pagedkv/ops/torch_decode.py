@@ -18,14 +18,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 
 from pagedkv.ops.masks import AttentionOptions
 from pagedkv.ops.metadata import PagedMetadata
 from pagedkv.ops.torch_store import dequantize
 
-__all__ = ["decode_loop"]
+__all__ = ["batched_supported", "decode_batched", "decode_loop"]
 
 _CHUNK_KV_BYTES = 8 * 2**20  # K + V gathered per chunk, merged by logsumexp
+_BATCH_KV_BYTES = 64 * 2**20  # K + V one group of tokens of `decode_batched` gathers at once
 # SDPA's CPU flash kernel, which also returns the logsumexp that merging chunks needs (None: explicit path).
 _FLASH: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = getattr(
     torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None
@@ -43,6 +45,80 @@ def _token_ranges(meta: PagedMetadata, options: AttentionOptions) -> list[list[t
     kv_len = meta.kv_lengths[meta.token_request]  # [T]
     sink_end, lo, hi = (x.tolist() for x in options.key_ranges(meta.token_position, kv_len))
     return [[(s, e) for s, e in ((0, se), (a, b)) if e > s] for se, a, b in zip(sink_end, lo, hi, strict=True)]
+
+
+def batched_supported(softcap: float | None, options: AttentionOptions) -> bool:
+    """Whether `decode_batched` serves these options: full attention (no window or chunk), no softcap, learned
+    sinks or ALiBi (those take the loop, which bounds a window's cost and attends explicitly)."""
+    return softcap is None and not options.local and options.sinks is None and options.alibi_slopes is None
+
+
+def decode_batched(
+    query: torch.Tensor,
+    kv_blocks: torch.Tensor,
+    meta: PagedMetadata,
+    layer: int,
+    scale: float,
+    kv_scales: torch.Tensor | None,
+    options: AttentionOptions,
+) -> torch.Tensor:
+    """Decode attention of query [T, H_q, D], every token's pages gathered at once; returns [T, H_q, Dv].
+
+    Tokens are sorted by how many pages they read and cut into groups whose padded K + V fit in
+    ``_BATCH_KV_BYTES``; each group gathers its pages (K rows then V rows) with one `index_select` into
+    ``[kv_dim, G, S, H_kv, D]``, zeroes the keys its tokens may not see (stale slots, padding pages: not
+    even NaN gets in; without a window or chunk token t sees exactly keys ``[0, hi_t)``) and runs one SDPA
+    over the group with the GQA group folded into the query axis and a boolean key mask. Options as
+    `batched_supported` says (the loop serves the rest).
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    kv_dim, num_layers, page_size, num_kv_heads = kv_blocks.shape[1:5]
+    dtype = _compute_dtype(query, kv_blocks, None)
+    q = query.to(dtype).view(num_tokens, num_kv_heads, -1, head_dim)  # [T, H_kv, g, D]
+    v_dim = options.v_head_dim or head_dim
+    out = torch.zeros((*q.shape[:3], v_dim), dtype=query.dtype)  # [T, H_kv, g, Dv]; no visible key: zeros
+    kv_len = meta.kv_lengths[meta.token_request]  # [T]
+    hi = torch.minimum(options.key_ranges(meta.token_position, kv_len)[2], kv_len)  # [T]: keys [0, hi) are seen
+    num_pages = torch.clamp((hi + page_size - 1) // page_size, max=meta.lookup_table.shape[1])  # [T]
+    order = torch.argsort(num_pages, stable=True)  # [T]: fewest pages first, so groups pad little
+    pages_sorted, hi_sorted = num_pages[order].tolist(), hi[order].tolist()
+    itemsize = max(kv_blocks.element_size(), dtype.itemsize)  # FP8 pages are read as float32
+    page_bytes = kv_dim * page_size * num_kv_heads * head_dim * itemsize
+    rows = kv_blocks.view(-1, page_size * num_kv_heads * head_dim)  # [(P + 1) * kv_dim * L, page]
+    k_rows = meta.lookup_table * (kv_dim * num_layers) + layer  # [B, C]: row of each page's K; V is `L` further
+    s_rows = None if kv_scales is None else kv_scales.view(-1, page_size * num_kv_heads * kv_scales.shape[-1])
+    start = 0
+    while start < num_tokens:
+        end = start + 1  # grow the group while its padded gather fits (the last token reads the most pages)
+        while end < num_tokens and (end + 1 - start) * pages_sorted[end] * page_bytes <= _BATCH_KV_BYTES:
+            end += 1
+        n, first_unseen = pages_sorted[end - 1], max(0, min(hi_sorted[start:end]))
+        idx = order[start:end] if start or end < num_tokens else None  # [G] tokens (None: all, in order)
+        start = end
+        if n == 0:
+            continue  # no token of the group sees a key: zeros
+        sel = slice(None) if idx is None else idx  # the group's tokens
+        ids = k_rows[meta.token_request[sel], :n]  # [G, n]
+        ids = ids if kv_dim == 1 else torch.stack((ids, ids + num_layers))  # [kv_dim, G, n]: K rows, then V rows
+        x = torch.index_select(rows, 0, ids.flatten())  # [kv_dim * G * n, page]
+        x = x.view(kv_dim, -1, n * page_size, num_kv_heads, head_dim)  # [kv_dim, G, S, H_kv, D]
+        if s_rows is not None:
+            s = torch.index_select(s_rows, 0, ids.flatten()).view(*x.shape[:4], -1)  # [kv_dim, G, S, H_kv, Gs]
+            x = dequantize(x, s)  # float32
+        x = x.to(dtype)
+        visible = torch.arange(n * page_size) < hi[sel][:, None]  # [G, S]
+        # keys past a token's hi (stale slots, padding pages) are zeroed, so not even NaN gets in; all lie
+        # past the group's smallest hi, and the groups are sorted, so this is a page or so per token
+        tail = x[:, :, first_unseen:]  # [kv_dim, G, S - first_unseen, H_kv, D]
+        tail.masked_fill_(~visible[None, :, first_unseen:, None, None], 0.0)
+        k, v = x[0].transpose(1, 2), x[-1].transpose(1, 2)  # [G, H_kv, S, D] each
+        o = F.scaled_dot_product_attention(q[sel], k, v, attn_mask=visible[:, None, None], scale=scale)
+        o = o[..., :v_dim].masked_fill(~visible.any(dim=-1)[:, None, None, None], 0.0)  # [G, H_kv, g, Dv]
+        if idx is None:
+            out = o.to(query.dtype)  # [T, H_kv, g, Dv]
+        else:
+            out[idx] = o.to(query.dtype)
+    return out.view(num_tokens, num_q_heads, v_dim)
 
 
 def decode_loop(

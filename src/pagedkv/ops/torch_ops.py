@@ -7,8 +7,10 @@ Shapes: ``kv_blocks [P + 1, kv_dim, L, page_size, H_kv, D]`` (kv 0 = K, kv
 `store_kv` (`pagedkv.ops.torch_store`) writes every token with one
 advanced-index assignment per K/V. `paged_attention` takes one of two paths:
 
-* CPU decode (every request has one new token; `pagedkv.ops.torch_decode`): a
-  loop over tokens that gathers only the keys the token's mask lets it see, in
+* CPU decode (every request has one new token; `pagedkv.ops.torch_decode`):
+  full attention gathers every token's pages at once, padded, and runs one
+  masked SDPA per group of tokens (`decode_batched`); windows, chunks, softcap,
+  learned sinks and ALiBi take a loop over tokens that gathers only the keys the token's mask lets it see, in
   chunks merged by logsumexp, so a sliding window bounds the cost.
 * everything else (prefill chunks, mixed batches, any device;
   `pagedkv.ops.torch_padded`): requests padded to the batch's longest query and
@@ -26,12 +28,15 @@ import torch
 
 from pagedkv.ops.masks import AttentionOptions
 from pagedkv.ops.metadata import PagedMetadata
+from pagedkv.ops.torch_decode import batched_supported as _batched_supported
+from pagedkv.ops.torch_decode import decode_batched as _decode_batched
 from pagedkv.ops.torch_decode import decode_loop as _decode_loop
 from pagedkv.ops.torch_padded import padded_attention as _padded_attention
 from pagedkv.ops.torch_store import dequantize, quantize, store_kv
 
 __all__ = ["store_kv", "paged_attention", "quantize", "dequantize"]
 
+_DECODE_BATCHED = True  # CPU decode with full attention: every page of the batch gathered at once (tests turn it off)
 _LOOP_MIN_KEYS = 48  # CPU decode: below about this many keys per token the padded path is as fast
 _PLAIN = AttentionOptions()  # plain causal attention
 
@@ -66,7 +71,10 @@ def paged_attention(
     if max_kv == 0:  # cross-attention over empty caches: nothing to see
         return query.new_zeros((num_tokens, num_q_heads, options.v_head_dim or head_dim))
     contiguous = kv_blocks.is_contiguous() and (kv_scales is None or kv_scales.is_contiguous())
-    if query.device.type == "cpu" and max_q == 1 and max_kv >= _LOOP_MIN_KEYS and contiguous:
+    cpu_decode = query.device.type == "cpu" and max_q == 1 and contiguous
+    if cpu_decode and _DECODE_BATCHED and _batched_supported(softcap, options):
+        return _decode_batched(query, kv_blocks, meta, layer, scale, kv_scales, options)
+    if cpu_decode and max_kv >= _LOOP_MIN_KEYS:
         return _decode_loop(query, kv_blocks, meta, layer, scale, softcap, kv_scales, options)
     return _padded_attention(query, kv_blocks, meta, layer, scale, softcap, kv_scales, options, max_q, max_kv)
 

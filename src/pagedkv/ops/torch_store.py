@@ -55,6 +55,19 @@ def store_kv(
     """
     tensors = (key,) if value is None else (key, value)
     page, slot = meta.slot_page, meta.slot_offset  # [T], [T]
+    kv_dim, num_layers, page_size = kv_blocks.shape[1:4]
+    if kv_blocks.is_contiguous() and (kv_scales is None or kv_scales.is_contiguous()):
+        # one index_copy_ per K/V into the slot rows [(P + 1) * kv_dim * L * page_size, H_kv * D] (cheaper than
+        # index_put on CPU); FP8 pages and scales are written as raw bytes (no float8_e8m0fnu kernels)
+        for kv, x in enumerate(tensors):
+            rows = ((page * kv_dim + kv) * num_layers + layer) * page_size + slot  # [T]
+            if kv_scales is None:
+                _copy_rows(kv_blocks, rows, x.to(kv_blocks.dtype))  # [T, H_kv, D]
+                continue
+            q, s = quantize(x, kv_scales.shape[-1], kv_blocks.dtype, kv_scales.dtype)  # [T, H, D], [T, H, G]
+            _copy_rows(kv_blocks.view(torch.uint8), rows, q.view(torch.uint8))
+            _copy_rows(kv_scales.view(torch.uint8), rows, s.view(torch.uint8))
+        return
     for kv, x in enumerate(tensors):
         if kv_scales is None:
             kv_blocks[page, kv, layer, slot] = x.to(kv_blocks.dtype)  # [T, H_kv, D]
@@ -63,6 +76,11 @@ def store_kv(
         # index_put has no float8_e8m0fnu kernel: write raw bytes (both dtypes are one byte wide)
         kv_blocks.view(torch.uint8)[page, kv, layer, slot] = q.view(torch.uint8)
         kv_scales.view(torch.uint8)[page, kv, layer, slot] = s.view(torch.uint8)
+
+
+def _copy_rows(blocks: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
+    """Write x [T, H, D] into slot rows `rows` [T] of contiguous blocks [P + 1, kv_dim, L, page_size, H, D]."""
+    blocks.view(-1, x.shape[-2] * x.shape[-1]).index_copy_(0, rows, x.flatten(-2))  # [slots, H * D] <- [T, H * D]
 
 
 def read_pages(
