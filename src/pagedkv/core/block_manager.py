@@ -69,6 +69,7 @@ class BlockManager:
         evict_leaves_first: bool = False,
         partial_page_reuse: bool = False,
         commit_on_alloc: bool = False,
+        commit_unscheduled: bool = True,
     ) -> None:
         check_manager_args(page_size, enable_prefix_caching, num_speculative_tokens, hash_seed, evict_leaves_first,
                            partial_page_reuse, commit_on_alloc)  # fmt: skip
@@ -79,7 +80,7 @@ class BlockManager:
         self.num_speculative_tokens = num_speculative_tokens
         self.hasher = PrefixHasher(hash_algo, page_size, hash_seed)
         self._reqs: dict[RequestID, RequestPages] = {}
-        self._expected: dict[RequestID, tuple[list[BlockHash], float]] = {}  # waiting requests' keys, tickets
+        self._expected: dict[RequestID, tuple[list[BlockHash], float, bytes]] = {}  # keys, ticket, chain root
         self._ticket = 0.0  # (`expect` numbers requests in queue order, lower is sooner)
         self._input_tokens = 0
         self._cache_tokens = 0
@@ -87,6 +88,9 @@ class BlockManager:
         self.hooks = BlockHooks()
         self._partial = make_partial_pages(partial_page_reuse, self.pool, page_size, self.hasher.root)
         self.commit_on_alloc = commit_on_alloc and enable_prefix_caching
+        # (False: schedule-time commits only for an `alloc` told `num_scheduled_tokens`; a driver that chunks
+        # after `alloc` without saying so would otherwise share pages its step never writes)
+        self.commit_unscheduled = commit_unscheduled
 
     # ------------------------------------------------------------------ lifecycle
     def claim(self, request_id: RequestID, *, dummy: bool = False) -> None:
@@ -190,6 +194,8 @@ class BlockManager:
         """vLLM's schedule-time caching: commit the full pages this step's chunk will write, so requests
         admitted after this one in the same step hit them (not while a page copy into them is pending)."""
         if self._partial is not None and ctx.request_id in self._partial.pending:
+            return
+        if num_scheduled_tokens is None and not self.commit_unscheduled:
             return
         tokens = ctx.tokens
         run = tokens.active_length if num_scheduled_tokens is None else min(num_scheduled_tokens, tokens.active_length)
@@ -403,6 +409,10 @@ class BlockManager:
         for ctx, nxt in zip(contexts, after, strict=True):
             rid = ctx.request_id
             entry = expected.get(rid)
+            if entry is not None and entry[2] != self.hasher.root(ctx.cache_salt):  # keyed under other weights
+                self.unexpect(rid)
+                self._want(ctx, entry[1])
+                entry = expected[rid]
             if entry is not None or rid in self._reqs and self._reqs[rid].num_pages or ctx.tokens.processed_length:
                 before = entry[1] if entry is not None else before
                 continue  # (known; running; or a swapped-out request, which resumes where it stopped)
@@ -411,13 +421,16 @@ class BlockManager:
                 ticket = self._ticket
             else:  # queued ahead of a known one (a preempted request goes back to the front)
                 ticket = nxt - 1 if before is None else (before + nxt) / 2
-            n = (len(ctx.tokens) - 1) // self.page_size
-            keys, _ = more_keys(self.hasher, _NO_REQUEST, ctx, n) if n > 0 else ([], b"")
-            expected[rid] = (keys, ticket)
-            self.pool.want(keys, ticket)
+            self._want(ctx, ticket)
             before = ticket
             added += 1
         return added
+
+    def _want(self, ctx: TextContext, ticket: float) -> None:
+        n = (len(ctx.tokens) - 1) // self.page_size
+        keys, _ = more_keys(self.hasher, _NO_REQUEST, ctx, n) if n > 0 else ([], b"")
+        self._expected[ctx.request_id] = (keys, ticket, self.hasher.root(ctx.cache_salt))
+        self.pool.want(keys, ticket)
 
     def unexpect(self, request_id: RequestID) -> None:
         """End the want `expect` recorded for `request_id` (no-op when there is none)."""

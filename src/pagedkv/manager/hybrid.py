@@ -81,7 +81,8 @@ def make_block_manager(
     )  # fmt: skip
     if not is_hybrid(params):
         bm = BlockManager(total_num_pages, params.page_size, partial_page_reuse=params.enable_partial_page_reuse,
-                          commit_on_alloc=commits_on_alloc(params), **kwargs)  # fmt: skip
+                          commit_on_alloc=commits_on_alloc(params),
+                          commit_unscheduled=params.commit_on_alloc is True, **kwargs)  # fmt: skip
         bm.hasher.set_version(params.weights_version)
         return bm
     for flag in ("enable_partial_page_reuse", "commit_on_alloc"):

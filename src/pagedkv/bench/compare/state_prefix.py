@@ -166,9 +166,12 @@ def run_state_prefix(
         tick(f"{workload}: unbounded hybrid {unbounded.hit_rate:.4f}")
         for budget in plan[workload]:
             for name, flat in ((CEILING, ceiling_params(page_size=page_size, commit_on_alloc=True)),
-                               (CEILING_STEP, ceiling_params(page_size=page_size))):  # fmt: skip
+                               (CEILING_STEP, ceiling_params(page_size=page_size, commit_on_alloc=False))):  # fmt: skip
                 pages = budget // flat.bytes_per_block
-                res = _replay(PagedKVAdapter(name, flat, pages, max_num_seqs), trace, config)
+                flat_adapter = PagedKVAdapter(name, flat, pages, max_num_seqs)
+                if name == CEILING_STEP:  # (the hybrid's own features: step-time commit, no queue-aware retention)
+                    flat_adapter.lookahead = None  # type: ignore[assignment,method-assign]
+                res = _replay(flat_adapter, trace, config)
                 rows.append(_row(workload, budget, res, pages=pages))
                 tick(f"{workload} @ {budget / GiB:.2f} GiB: {name} {res.hit_rate:.4f}")
             for peer in peers:

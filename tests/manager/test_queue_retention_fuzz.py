@@ -1,0 +1,112 @@
+"""Random expect/alloc/step/release/unexpect/reset/version/pin sequences: integrity, wants == expected,
+and every evictable page's live heap entry carries its current rank."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import numpy as np
+import pytest
+
+from pagedkv.core.block_manager import BlockManager
+from pagedkv.core.context import Retention, TextContext
+from pagedkv.core.errors import InsufficientBlocksError
+from pagedkv.core.eviction import LRU, PROBATION
+
+PS = 4
+
+
+def check_wants(bm: BlockManager) -> None:
+    bm.check_integrity()
+    want = collections.Counter()
+    for keys, t, _ in bm._expected.values():
+        for k in keys:
+            want[(k, t)] += 1
+    got = collections.Counter()
+    for k, ts in bm.pool._wanted.items():
+        assert list(ts) == sorted(ts), "tickets not sorted"
+        for t in ts:
+            got[(k, t)] += 1
+    assert want == got
+    order = bm.pool._order
+    if order is not None and order.rank is not None:
+        live = {}
+        for e in order.heap:
+            if e[-2] == order.version[e[-1]]:
+                live[e[-1]] = e
+        for which in (LRU, PROBATION):
+            for p in bm.pool.list_pages(which):
+                e = live.get(p) or order.deferred.get(p)
+                assert e is not None and e[1] == bm.pool._rank(p), f"stale rank for page {p}: {e} vs {bm.pool._rank(p)}"
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("policy,lf", [("lru", False), ("slru", False), ("lfu", False), ("arc", False), ("lru", True)])
+@pytest.mark.parametrize("coa", [False, True])
+def test_fuzz(seed, policy, lf, coa):
+    rng = random.Random(seed)
+    bm = BlockManager(
+        24, PS, enable_prefix_caching=True, eviction_policy=policy, evict_leaves_first=lf, commit_on_alloc=coa
+    )
+    bases = [np.arange(b, b + 40) for b in (100, 200, 300)]
+    waiting: list[TextContext] = []
+    running: dict[str, TextContext] = {}
+    nid = 0
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.2:
+            base = rng.choice(bases)
+            toks = np.concatenate([base[: rng.randint(2, 30)], rng.sample(range(1000, 2000), rng.randint(1, 10))])
+            c = TextContext(f"r{nid}", toks)
+            nid += 1
+            if rng.random() < 0.2:
+                waiting.insert(0, c)
+            else:
+                waiting.append(c)
+        elif op < 0.35 and waiting:
+            k = rng.randint(1, len(waiting))
+            bm.expect(waiting[:k])
+        elif op < 0.5 and waiting:
+            c = waiting[0]
+            bm.claim(c.request_id)
+            try:
+                bm.alloc(c, num_scheduled_tokens=rng.choice([None, 4, 9]))
+            except InsufficientBlocksError:
+                bm.release(c.request_id)
+                continue
+            waiting.pop(0)
+            running[c.request_id] = c
+        elif op < 0.65 and running:
+            rid = rng.choice(sorted(running))
+            c = running[rid]
+            if c.tokens.active_length > 9:
+                pass
+            c.update(7)
+            bm.step(c)
+            if rng.random() < 0.5:
+                bm.release(rid)
+                running.pop(rid)
+        elif op < 0.72 and running:
+            rid = rng.choice(sorted(running))
+            c = running.pop(rid)
+            bm.release(rid)
+            c.reset()
+            waiting.insert(0, c)
+        elif op < 0.76 and waiting:
+            c = waiting.pop(rng.randrange(len(waiting)))
+            bm.unexpect(c.request_id)
+        elif op < 0.8:
+            bm.reset_prefix_cache()
+        elif op < 0.83:
+            bm.hasher.set_version(rng.choice([None, "v2"]))
+        elif op < 0.9:
+            base = rng.choice(bases)
+            bm.pin_prefix(base[:16], Retention(priority=rng.choice([10, 35, 80])))
+        check_wants(bm)
+    for rid in list(running):
+        bm.release(rid)
+    for c in waiting:
+        bm.unexpect(c.request_id)
+    check_wants(bm)
+    assert bm.pool.num_wanted == 0 and not bm._expected
