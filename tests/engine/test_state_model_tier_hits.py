@@ -13,29 +13,15 @@ from typing import Any
 import pytest
 import torch
 from state_models import build_state_model
+from test_state_model_prefix_hits import MODELS, NEW, PS, serve, tokens
 from test_state_models import check_parity
 
 from pagedkv import KVConnectorConfig
 from pagedkv.engine import LLMEngine
-from pagedkv.engine.request import Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "offload"))
 
 from redis_server import RedisServer  # noqa: E402
-
-MODELS = ["qwen3_5_text", "bamba", "lfm2"]  # gated delta net, Mamba2, short convolutions (each beside attention)
-NEW = 5
-PS = 4
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def serve(engine: LLMEngine, prompt: list[int]) -> Request:
-    request = engine.add_request(prompt, NEW, stop_token_ids=[])
-    engine.run()
-    return request
 
 
 def engine(model: torch.nn.Module, **kw: Any) -> LLMEngine:
