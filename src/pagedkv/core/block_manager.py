@@ -124,9 +124,11 @@ class BlockManager:
     def alloc(self, ctx: TextContext, num_scheduled_tokens: int | None = None) -> None:
         """Give `ctx` pages for all its tokens (+ draft slots), reusing cached prefix pages first.
 
-        `num_scheduled_tokens` (how many tokens this step will run) only
-        matters to windowed groups of a hybrid model (`KVCacheCoordinator`);
-        full attention takes pages for the whole sequence, as MAX does.
+        `num_scheduled_tokens` (how many tokens this step will run): full
+        attention takes pages for the whole sequence, as MAX does; with
+        schedule-time caching the full pages those tokens fill become
+        hittable now (with `commit_on_alloc` left at None, only when it is
+        given); windowed groups of a hybrid model take pages for it.
 
         Side effects on success: prefix hits move ``ctx.tokens`` forward
         (`skip_processing`); on a first admission ``ctx.cached_prefix_length``

@@ -169,8 +169,8 @@ class PagedKVCacheManager:
     def alloc(self, data: TextContext, replica_idx: int = 0, *, num_scheduled_tokens: int | None = None) -> None:
         """Pages for every token of `data`, prefix-cache hits first (see `BlockManager.alloc`).
 
-        `num_scheduled_tokens` bounds the pages windowed groups of a hybrid
-        model take this step; chunk the context to at most that many tokens.
+        `num_scheduled_tokens`: the tokens this step runs (chunk the context to at most that many); their
+        full pages become hittable at once (schedule-time caching); windowed groups take pages for them.
 
         Raises `InsufficientBlocksError` when the pool is too full; nothing changes then.
         """
