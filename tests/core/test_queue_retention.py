@@ -128,3 +128,36 @@ def test_unexpect_ends_a_want_of_a_request_that_leaves_the_queue() -> None:
     bm.unexpect("a2")
     bm.unexpect("a2")  # (no-op)
     assert bm.pool.num_wanted == 0
+
+
+@pytest.mark.parametrize("expect", [False, True])
+def test_a_hybrid_coordinator_keeps_a_waiting_requests_pages_in_every_group(expect: bool) -> None:
+    """Two full-attention groups share one pool (two pages per prefix page). A and B are cached (A older, 4 pages
+    each), 6 pages are fresh; a stranger of 5 pages a group (10) evicts 4: LRU takes A's, queue-aware retention
+    B's."""
+    from pagedkv.core.coordinator import KVCacheCoordinator
+    from pagedkv.core.managers import FullAttentionManager
+
+    c = KVCacheCoordinator(14, PS, [FullAttentionManager(0, PS), FullAttentionManager(1, PS)],
+                           enable_prefix_caching=True)  # fmt: skip
+
+    def serve_c(rid: str, tokens: list[int]) -> int:
+        context = ctx(rid, tokens)
+        c.claim(rid)
+        c.alloc(context)
+        hit = context.cached_prefix_length
+        context.update(7)
+        c.step(context)
+        c.release(rid)
+        c.check_integrity()
+        return hit
+
+    serve_c("a", prompt(100))
+    serve_c("b", prompt(200))
+    if expect:
+        assert c.expect([ctx("a2", prompt(100))]) == 1
+    c.claim("s")
+    c.alloc(ctx("s", list(range(300, 300 + 5 * PS))))
+    c.release("s")
+    assert serve_c("a2", prompt(100)) == (2 * PS if expect else 0)
+    assert c.wants.entries == {}

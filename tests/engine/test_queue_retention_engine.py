@@ -42,5 +42,5 @@ def test_no_wants_left_after_long_run(policy, mode):
     bm = engine.manager._managers[0]
     engine.manager.check_integrity()
     assert engine.summary["preemptions"] > 0
-    assert bm._expected == {}
+    assert bm.wants.entries == {}
     assert bm.pool.num_wanted == 0

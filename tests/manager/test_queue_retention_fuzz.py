@@ -20,7 +20,7 @@ PS = 4
 def check_wants(bm: BlockManager) -> None:
     bm.check_integrity()
     want = collections.Counter()
-    for keys, t, _ in bm._expected.values():
+    for keys, t, _ in bm.wants.entries.values():
         for k in keys:
             want[(k, t)] += 1
     got = collections.Counter()
@@ -109,4 +109,4 @@ def test_fuzz(seed, policy, lf, coa):
     for c in waiting:
         bm.unexpect(c.request_id)
     check_wants(bm)
-    assert bm.pool.num_wanted == 0 and not bm._expected
+    assert bm.pool.num_wanted == 0 and not bm.wants.entries

@@ -36,6 +36,7 @@ from pagedkv.core.events import BlockHooks
 from pagedkv.core.hashing import BlockHash, PrefixHasher, check_salt
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy, Partial, make_partial_pages
+from pagedkv.core.queue_wants import QueueWants
 from pagedkv.core.tables import (
     BatchTables,
     RequestPages,
@@ -47,8 +48,6 @@ from pagedkv.core.tables import (
 )
 
 __all__ = ["BlockManager"]
-
-_NO_REQUEST = RequestPages()  # (no hashes yet: `more_keys` reads a waiting context's keys from its memo)
 
 
 class BlockManager:
@@ -80,8 +79,7 @@ class BlockManager:
         self.num_speculative_tokens = num_speculative_tokens
         self.hasher = PrefixHasher(hash_algo, page_size, hash_seed)
         self._reqs: dict[RequestID, RequestPages] = {}
-        self._expected: dict[RequestID, tuple[list[BlockHash], float, bytes]] = {}  # keys, ticket, chain root
-        self._ticket = 0.0  # (`expect` numbers requests in queue order, lower is sooner)
+        self.wants = QueueWants(self.pool, self.hasher)  # waiting requests told by `expect`
         self._input_tokens = 0
         self._cache_tokens = 0
         self._evictions_at_reset = 0
@@ -186,7 +184,7 @@ class BlockManager:
             self._cache_tokens += self._partial.record(st, ctx, *partial)
         if processed == 0:
             ctx.cached_prefix_length = tokens.processed_length
-            if self._expected:  # admitted: it holds what it hits, so its want ends
+            if self.wants:  # admitted: it holds what it hits, so its want ends
                 self.unexpect(ctx.request_id)
         self._input_tokens += tokens.active_length
         if self.commit_on_alloc:
@@ -390,55 +388,24 @@ class BlockManager:
         return len(pages)
 
     def expect(self, contexts: Sequence[TextContext]) -> int:
-        """Queue-aware retention: the pages these waiting, unclaimed requests will hit (their prompts' full
-        pages, wherever cached) are evicted only after every page no waiting request wants, the pages of
-        requests further back in the queue first (`BlockPool.want`). A scheduler tells it its waiting queue's
-        head, in order; each want ends when the request's first `alloc` succeeds (or with `unexpect`). Keys are the
-        request's own prefix keys, memoised in the context for its admission. Claims nothing, changes no
-        table and no hit. Returns how many of `contexts` were newly expected."""
+        """Queue-aware retention (`queue_wants.QueueWants`): the pages these waiting, unclaimed requests will
+        hit (their prompts' full pages, wherever cached) are evicted only after every page no waiting request
+        wants, the pages of requests further back in the queue first (`BlockPool.want`). A scheduler tells it
+        its waiting queue's head, in order; each want ends when the request's first `alloc` succeeds (or with
+        `unexpect`). Claims nothing, changes no table and no hit. Returns how many were newly expected."""
         if not self.enable_prefix_caching:
             return 0
-        expected, added = self._expected, 0
-        after: list[float | None] = [None] * len(contexts)  # the ticket of the next known context behind each
-        known: float | None = None
-        for i in range(len(contexts) - 1, -1, -1):
-            if type(contexts[i]) is not TextContext:
-                raise TypeError(f"contexts holds {type(contexts[i]).__name__}, expected TextContext")
-            after[i] = known
-            entry = expected.get(contexts[i].request_id)
-            known = entry[1] if entry is not None else known
-        before: float | None = None
-        for ctx, nxt in zip(contexts, after, strict=True):
-            rid = ctx.request_id
-            entry = expected.get(rid)
-            if entry is not None and entry[2] != self.hasher.root(ctx.cache_salt):  # keyed under other weights
-                self.unexpect(rid)
-                self._want(ctx, entry[1])
-                entry = expected[rid]
-            if entry is not None or rid in self._reqs and self._reqs[rid].num_pages or ctx.tokens.processed_length:
-                before = entry[1] if entry is not None else before
-                continue  # (known; running; or a swapped-out request, which resumes where it stopped)
-            if nxt is None:  # behind every known one: the next ticket
-                self._ticket = max(self._ticket, before or 0.0) + 1
-                ticket = self._ticket
-            else:  # queued ahead of a known one (a preempted request goes back to the front)
-                ticket = nxt - 1 if before is None else (before + nxt) / 2
-            self._want(ctx, ticket)
-            before = ticket
-            added += 1
-        return added
+        reqs = self._reqs
 
-    def _want(self, ctx: TextContext, ticket: float) -> None:
-        n = (len(ctx.tokens) - 1) // self.page_size
-        keys, _ = more_keys(self.hasher, _NO_REQUEST, ctx, n) if n > 0 else ([], b"")
-        self._expected[ctx.request_id] = (keys, ticket, self.hasher.root(ctx.cache_salt))
-        self.pool.want(keys, ticket)
+        def started(ctx: TextContext) -> bool:  # running, or a swapped-out request that resumes where it stopped
+            st = reqs.get(ctx.request_id)
+            return bool(st is not None and st.num_pages or ctx.tokens.processed_length)
+
+        return self.wants.expect(contexts, started)
 
     def unexpect(self, request_id: RequestID) -> None:
         """End the want `expect` recorded for `request_id` (no-op when there is none)."""
-        entry = self._expected.pop(request_id, None)
-        if entry is not None and entry[0]:
-            self.pool.want(entry[0], entry[1], -1)
+        self.wants.unexpect(request_id)
 
     def get_req_blocks(self, request_id: RequestID) -> list[int]:
         """The page ids of `request_id` in logical order (``[null]`` for a dummy)."""

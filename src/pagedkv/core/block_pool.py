@@ -119,7 +119,7 @@ class BlockPool:
         self._order: HeapOrder | None = None
         if eviction_policy == "lfu" or leaves_first:
             self.keyed_order()
-        self._wanted: dict[BlockHash, deque[float]] = {}  # group-0 hashes -> tickets of waiting requests (`want`)
+        self._wanted: dict[BlockHash, deque[float]] = {}  # prefix keys -> tickets of waiting requests (`want`)
 
     # ------------------------------------------------------------------ mutations
     def touch(self, pages: Iterable[int]) -> None:
@@ -189,7 +189,7 @@ class BlockPool:
 
     def want(self, keys: Iterable[BlockHash], ticket: float, delta: int = 1) -> None:
         """Queue-aware retention: a waiting request (its place in the queue: `ticket`, lower is sooner) will hit
-        the group-0 pages cached under `keys`; `delta` -1 withdraws that want. Free cached pages no waiting
+        the pages cached under `keys` (in every group: a hybrid model's groups share the prefix keys); `delta` -1 withdraws that want. Free cached pages no waiting
         request wants are evicted first (in the policy's order), then wanted ones, those wanted latest first
         (Belady's rule over the known queue); retention priorities still come first. The first want switches
         the pool to its keyed order (`keyed_order`)."""
@@ -198,7 +198,7 @@ class BlockPool:
             order.rank = self._rank
             for page in [*self._lists.pages(PROBATION), *self._lists.pages(LRU)]:
                 order.listed(page, refresh=False)
-        wanted, cache, where = self._wanted, self._caches[0], self._lists.where
+        wanted, caches, where = self._wanted, self._caches, self._lists.where
         for key in keys:
             tickets = wanted.get(key)
             first = tickets[0] if tickets else None
@@ -220,12 +220,13 @@ class BlockPool:
                 if not tickets:
                     del wanted[key]
             now = wanted[key][0] if key in wanted else None
-            cached = cache.get(key) if now != first else None
-            if cached is not None and where[cached] in (LRU, PROBATION):
-                order.listed(cached, refresh=False)  # (its rank changed: a new heap entry)
+            for cache in caches if now != first else ():  # (its rank changed: a new heap entry in every group)
+                cached = cache.get(key)
+                if cached is not None and where[cached] in (LRU, PROBATION):
+                    order.listed(cached, refresh=False)
 
     def _rank(self, page: int) -> float:
-        tickets = self._wanted.get(self._hash[page]) if not self._group[page] else None  # type: ignore[arg-type]
+        tickets = self._wanted.get(self._hash[page])  # type: ignore[arg-type]
         return -tickets[0] if tickets else _UNWANTED
 
     @property

@@ -1,30 +1,22 @@
 """`KVCacheCoordinator`: one request lifecycle over several KV cache groups sharing one pool.
 
-Each group (full, sliding window, chunked local, sinks, MLA, cross-attention)
-has its own page table per request, filled from one `BlockPool`. The
-coordinator keeps `BlockManager`'s contract (claim / alloc / step / release,
-atomic alloc, tail-first release) and adds, per group:
+Each group (full, sliding window, chunked local, sinks, MLA, cross-attention) has its own page table per
+request, filled from one `BlockPool`. The coordinator keeps `BlockManager`'s contract (claim / alloc /
+step / release, atomic alloc, tail-first release) and adds, per group:
 
-- drops: pages no later query can read return to the pool as processing
-  moves on; the table keeps the null page in their place;
+- drops: pages no later query can read return to the pool as processing moves on (null in the table);
 - lazy allocation: window groups hold pages up to the active window only;
-- hits: the longest prefix that every group can resume from (`hit_range`),
-  extended from the tiers below when a `tier_link` is set (`tier_hits`);
-- pins: a dropped page that is prefix-cached, and a cached page a hit skips
-  because it lies before the window, is pinned while the request runs (were
-  it evicted, the prefix would be unhittable and its full pages dead weight).
-  Free pinned pages are protected (up to `protected_fraction` of the pool):
-  only their owner takes them back, and only when no other request holds
-  pages (otherwise the caller preempts). Pages never dropped below `shared`
-  (a hit or a merged commit) stay held outright.
+- hits: the longest prefix that every group can resume from (`hit_range`), extended from the tiers
+  below when a `tier_link` is set (`tier_hits`);
+- pins: a dropped page that is prefix-cached, and a cached page a hit skips because it lies before the
+  window, is pinned while the request runs (were it evicted, the prefix would be unhittable). Free
+  pinned pages are protected (up to `protected_fraction` of the pool): only their owner takes them
+  back, and only when no other request holds pages (otherwise the caller preempts). Pages never
+  dropped below `shared` (a hit or a merged commit) stay held outright.
 
-Recurrent state groups (`MambaManager`) take rows of a second pool that also
-keeps state checkpoints (`checkpoints.StateCheckpoints`, `state_hits`): their
-hits need a checkpoint exactly at the resume point.
-
-The structure is vLLM's `KVCacheCoordinator`: one `BlockPool`, one
-page-policy manager per group (`managers.GroupManager`) and every request's
-tables (`hybrid_state.HybridRequest`).
+Recurrent state groups (`MambaManager`) take rows of a second pool that also keeps state checkpoints
+(`checkpoints.StateCheckpoints`, `state_hits`): their hits need a checkpoint exactly at the resume point. The structure is vLLM's `KVCacheCoordinator`: one `BlockPool`, one page-policy manager per group
+(`managers.GroupManager`) and every request's tables (`hybrid_state.HybridRequest`).
 """
 
 from __future__ import annotations
@@ -46,6 +38,7 @@ from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, SwappedGroups, f
 from pagedkv.core.managers import GroupManager
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy
+from pagedkv.core.queue_wants import QueueWants
 from pagedkv.core.state_hits import find_state_hit, keeps, plan_fits, release_rows, save_state
 from pagedkv.core.tables import (
     BatchTables,
@@ -109,6 +102,7 @@ class KVCacheCoordinator:
                                            enabled=enable_prefix_caching, eviction_policy=eviction_policy)  # fmt: skip
             self.states.groups = tuple(self._state_ids)
         self.tier_link: TierLink | None = None  # the tiers below, asked at a request's first alloc (`tier_hits`)
+        self.wants = QueueWants(self.pool, self.hasher)  # waiting requests told by `expect`
         self.tier_groups = TierGroups(self._cacheable_ids, self._decoder_ids, (self._state_ids or [-1])[0])
 
     def claim(self, request_id: object, *, dummy: bool = False) -> None:
@@ -184,6 +178,7 @@ class KVCacheCoordinator:
         self._apply(hst, ctx, plan)
         if first and self.enable_prefix_caching and tokens.active_length > 1:
             self._from_tiers(hst, ctx)
+        self.wants.unexpect(ctx.request_id)  # admitted: it holds what it hits, so its want (if any) ends
 
     def _from_tiers(self, st: HybridRequest, ctx: TextContext) -> None:
         """A first alloc's hit extended from the tiers (`tier_hit`): loaded pages committed, tokens skipped."""
@@ -560,6 +555,11 @@ class KVCacheCoordinator:
         is restoring (their tail pages with them); returns how many pages and checkpoints."""
         dropped = self.states.reset() if self.states is not None else 0
         return dropped + self.pool.reset_prefix_cache()
+
+    def expect(self, contexts: Sequence[TextContext]) -> int:
+        """Queue-aware retention over every group's pages (as `BlockManager.expect`; not state checkpoints)."""
+        started = lambda c: bool(c.tokens.processed_length) or c.request_id in self._reqs  # noqa: E731
+        return self.wants.expect(contexts, started) if self.enable_prefix_caching else 0
 
     # ----------------------------------------------------------------- state checkpoints
     def checkpoint_cut(self, request_id: RequestID) -> int | None:

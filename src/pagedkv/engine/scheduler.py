@@ -43,7 +43,7 @@ class Scheduler:
         self.manager = manager
         self.swap = swap  # preempt by swapping to host rows when they have room
         self._cuts = manager.num_state_rows > 0  # (only models with recurrent state have checkpoint cuts)
-        self._expect = bool(manager.params.enable_prefix_caching) and not manager.hybrid
+        self._expect = bool(manager.params.enable_prefix_caching)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_batch_size = max_batch_size
         self.waiting: deque[Request] = deque()

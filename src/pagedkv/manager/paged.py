@@ -228,15 +228,12 @@ class PagedKVCacheManager:
 
     def expect(self, contexts: Sequence[TextContext], replica_idx: int = 0) -> int:
         """Queue-aware retention (`BlockManager.expect`; `LLMEngine`'s scheduler calls it every step with its
-        queue's head): what those waiting requests will hit is evicted last. 0 for a hybrid model."""
-        bm = self._bm(replica_idx)
-        return bm.expect(contexts) if isinstance(bm, BlockManager) else 0
+        queue's head): what those waiting requests will hit is evicted last. Returns how many were new."""
+        return self._bm(replica_idx).expect(contexts)
 
     def unexpect(self, request_id: RequestID, replica_idx: int = 0) -> None:
         """End what `expect` kept for a request that leaves the waiting queue without being admitted."""
-        bm = self._bm(replica_idx)
-        if isinstance(bm, BlockManager):
-            bm.unexpect(request_id)
+        self._bm(replica_idx).wants.unexpect(request_id)
 
     def pin_prefix(self, tokens: Sequence[int], priority: int = 100, duration_s: float | None = None, *,
                    cache_salt: str | None = None, replica_idx: int = 0) -> int:  # fmt: skip

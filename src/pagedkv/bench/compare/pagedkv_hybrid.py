@@ -132,6 +132,13 @@ class StateCheckpointAdapter:
     def new_step(self) -> None:
         pass
 
+    def lookahead(self, waiting: Sequence[TraceRequest]) -> None:
+        """The engine scheduler's queue-aware retention (attention pages; state rows keep their own order)."""
+        for req in waiting:
+            if req.handle is None:
+                req.handle = TextContext(req.rid, req.live_tokens)
+        self.coord.expect([req.handle for req in waiting])
+
     def admit(self, req: TraceRequest, budget: int) -> tuple[int, int] | None:
         ctx = req.handle
         if ctx is None:
