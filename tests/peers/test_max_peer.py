@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_peer_adapters import _conversation, _shared_prefix_trace, _tokens  # (the same traces as the other peers)
 
 from pagedkv.bench.compare.pagedkv_adapter import PagedKVAdapter, compare_params
 from pagedkv.bench.compare.peer_max import MaxWorker
@@ -49,29 +50,6 @@ def worker() -> Any:
         pytest.skip(str(exc))
     yield w
     w.close()
-
-
-def _tokens(rng: np.random.Generator, n: int) -> np.ndarray:
-    return rng.integers(0, 32_000, size=n, dtype=np.int32)
-
-
-def _shared_prefix_trace(suffix: int = 20) -> list[TraceRequest]:
-    rng = np.random.default_rng(0)
-    prefixes = [_tokens(rng, 64) for _ in range(4)]
-    reqs = []
-    for i in range(40):
-        prompt = np.concatenate([prefixes[i % 4], _tokens(rng, suffix)])
-        reqs.append(TraceRequest(i, np.concatenate([prompt, _tokens(rng, 8)]), len(prompt)))
-    return reqs
-
-
-def _conversation() -> list[TraceRequest]:
-    rng = np.random.default_rng(1)
-    first = TraceRequest(0, _tokens(rng, 84 + 20), 84)
-    prompt2 = np.concatenate([first.tokens, _tokens(rng, 10)])
-    second = TraceRequest(1, np.concatenate([prompt2, _tokens(rng, 8)]), len(prompt2), after=0)
-    third = TraceRequest(2, np.concatenate([first.tokens[:96], _tokens(rng, 4)]), 96, after=1)
-    return [first, second, third]
 
 
 def _eviction_trace() -> list[TraceRequest]:

@@ -23,7 +23,7 @@ from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheParams
 
-__all__ = ["PagedKVAdapter", "BeladyAdapter", "BeladyOracle", "compare_params"]
+__all__ = ["PagedKVAdapter", "BeladyAdapter", "BeladyOracle", "compare_params", "handles"]
 
 
 def compare_params(page_size: int = 16, **kwargs: Any) -> KVCacheParams:
@@ -32,6 +32,14 @@ def compare_params(page_size: int = 16, **kwargs: Any) -> KVCacheParams:
         dtype=DType.bfloat16, n_kv_heads=8, head_dim=128, num_layers=32, devices=[DeviceRef.META()],
         page_size=page_size, enable_prefix_caching=True, **kwargs,
     )  # fmt: skip
+
+
+def handles(reqs: Sequence[TraceRequest]) -> list[TextContext]:
+    """Each request's context, created on first use (an adapter's `admit` then takes the same one)."""
+    for req in reqs:
+        if req.handle is None:
+            req.handle = TextContext(req.rid, req.live_tokens)
+    return [req.handle for req in reqs]
 
 
 class PagedKVAdapter:
@@ -50,12 +58,7 @@ class PagedKVAdapter:
 
     def lookahead(self, waiting: Sequence[TraceRequest]) -> None:
         """The engine scheduler's queue-aware retention: what the next requests will hit is evicted last."""
-        contexts = []
-        for req in waiting:
-            if req.handle is None:
-                req.handle = TextContext(req.rid, req.live_tokens)
-            contexts.append(req.handle)
-        self.mgr.expect(contexts)
+        self.mgr.expect(handles(waiting))
 
     def admit(self, req: TraceRequest, budget: int) -> tuple[int, int] | None:
         ctx = req.handle

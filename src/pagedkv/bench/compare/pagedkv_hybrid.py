@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pagedkv.bench.compare.pagedkv_adapter import handles
 from pagedkv.bench.compare.peer_vllm_hybrid import QWEN35, HybridShape
 from pagedkv.bench.workloads import TraceRequest
 from pagedkv.core.context import TextContext
@@ -134,10 +135,7 @@ class StateCheckpointAdapter:
 
     def lookahead(self, waiting: Sequence[TraceRequest]) -> None:
         """The engine scheduler's queue-aware retention (attention pages; state rows keep their own order)."""
-        for req in waiting:
-            if req.handle is None:
-                req.handle = TextContext(req.rid, req.live_tokens)
-        self.coord.expect([req.handle for req in waiting])
+        self.coord.expect(handles(waiting))
 
     def admit(self, req: TraceRequest, budget: int) -> tuple[int, int] | None:
         ctx = req.handle
