@@ -22,7 +22,7 @@ from pagedkv.bench.compare.state_prefix import budgets, format_markdown, run_sta
 from pagedkv.bench.workloads import TraceRequest, ideal_hit_rates, make_trace
 from pagedkv.cli import main
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.memory import num_state_rows, pool_page_bytes, state_row_bytes
+from pagedkv.core.memory import checkpoint_pages, num_state_rows, pool_page_bytes, state_row_bytes
 from pagedkv.state_params import StateCacheParams
 
 ROW = 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)  # 24 GDN layers: conv (8192, 3) bf16 + recurrent (32, 128, 128) fp32
@@ -43,11 +43,12 @@ def test_params_and_bytes_are_the_qwen35_shapes() -> None:
     assert gdn_spec().shapes == ((8192, 3), (32, 128, 128))
     assert pool_page_bytes(params) == PAGE == 524_288 and state_row_bytes(params) == ROW == 51_511_296
     assert ceiling_params().bytes_per_block == CEILING_PAGE == 2 * 1024 * 1024
-    assert num_state_rows(params, 4) == 4 + 5 and num_state_rows(hybrid_params(), 4) == 4 + 8  # default: 2 per slot
-    budget = 9 * ROW + 100 * PAGE + PAGE - 1
-    assert budget_pages(params, budget, 4) == 100  # the rows are paid first, the rest buys whole pages
+    assert num_state_rows(params, 4) == 4 == num_state_rows(hybrid_params(), 4)  # live rows only
+    assert checkpoint_pages(params) == -(-ROW // PAGE) == 99  # a checkpoint is a run of attention pages
+    budget = 4 * ROW + 100 * PAGE + PAGE - 1
+    assert budget_pages(params, budget, 4) == 100  # the live rows are paid first, the rest buys whole pages
     with pytest.raises(InsufficientBlocksError, match="state rows"):
-        budget_pages(params, 9 * ROW - 1, 4)
+        budget_pages(params, 4 * ROW - 1, 4)
 
 
 def test_hits_on_a_hand_derived_trace_against_the_ceiling() -> None:
@@ -72,8 +73,9 @@ def test_hits_on_a_hand_derived_trace_against_the_ceiling() -> None:
     assert res.first_hit_tokens == 83 and res.prefill_tokens_computed == 207 - 83
     states = hybrid.states
     assert states.num_hits == 2 and hybrid.cut_chunks == 1
-    assert states.num_saved == 2 + 3 + 2 + 2  # r1 adds the cut; releases save in place
-    assert hybrid.state_copies == 5 + 2 and hybrid.tail_copies == 1  # copies: 5 saves, 2 restores; r3's tail
+    assert states.num_saved == 2 + 3 + 2 + 2  # r1 adds the cut
+    assert len(states) == 9 and all(len(e.run) == 99 for e in states._entries.values())  # every save in a run
+    assert hybrid.state_copies == 5 + 4 + 2 and hybrid.tail_copies == 1  # 5 saves, 4 releases, 2 restores; r3's tail
     hybrid.coord.check_integrity()
     ceiling = simulate(PagedKVAdapter("ceiling", ceiling_params(commit_on_alloc=True), 1000, 1), trace, one)
     assert ceiling.first_hit_tokens == 112
@@ -105,9 +107,9 @@ def test_checkpoint_tails_never_block_a_request_that_fits_alone() -> None:
 def test_budgets_start_where_the_smallest_checkpoint_cap_runs() -> None:
     trace = make_trace("fewshot", 40)
     longest = max(-(-len(r.tokens) // 16) for r in trace)
-    rows = 8 + 4  # S = 8 live rows + C = 4 checkpoints
+    rows = 8  # S = 8 live rows
     floor = rows * ROW + (2 * longest + rows) * PAGE
-    got = budgets(trace, [0.001, 1e6], 8, 4)
+    got = budgets(trace, [0.001, 1e6], 8)
     assert got[0] == -(-floor // 2**20) * 2**20 and len(got) == 2 and got[1] > got[0]
 
 
@@ -116,12 +118,15 @@ def test_sweep_tables_verdict_and_cli(tmp_path: Path, capsys: pytest.CaptureFixt
                               peers=[])  # fmt: skip
     managers = {r["manager"] for r in result["rows"]}
     assert managers == {"ceiling", "ceiling-step", "pagedkv-c4", "pagedkv-c8", "pagedkv"}
-    assert result["config"]["default_checkpoints"] == 8 and result["bytes"]["state_row"] == ROW
+    assert result["config"]["default_checkpoints"] is None and result["bytes"]["state_row"] == ROW
+    assert result["bytes"]["checkpoint_pages"] == 99
     top = max(r["budget_bytes"] for r in result["rows"])
     cell = {r["manager"]: r for r in result["rows"] if r["budget_bytes"] == top}
     assert cell["ceiling"]["hit_rate"] == pytest.approx(result["workloads"]["docqa"]["ideal"]["page"])
-    # the default (no cap set) keeps a third of what the 4 live rows leave of the budget in checkpoint rows
-    assert cell["pagedkv"]["default"] and cell["pagedkv"]["checkpoints"] == (top - 4 * ROW) // (3 * ROW)
+    # the default (no cap set) keeps as many checkpoints as its pages hold; a cap keeps at most that many
+    assert cell["pagedkv"]["default"] and cell["pagedkv"]["checkpoints"] is None
+    assert cell["pagedkv"]["checkpoints_kept"] <= cell["pagedkv"]["pages"] // 99
+    assert cell["pagedkv-c4"]["checkpoints_kept"] <= 4
     assert cell["pagedkv"]["hit_rate"] > 0
     text = format_markdown(result)
     assert "| docqa |" in text and "pagedkv C=8" in text and "51,511,296 B" in text

@@ -92,34 +92,51 @@ def test_host_pages() -> None:
         compute_num_host_blocks(tiny)
 
 
-def _state_tree(caching: bool = True, cap: int | None = None) -> MultiKVCacheParams:
+def _state_tree(caching: bool = True, cap: int | None = None, attention: bool = True) -> MultiKVCacheParams:
     from pagedkv.specs import MambaSpec
     from pagedkv.state_params import StateCacheParams
 
     devices = [DeviceRef.CPU()]
     shared = dict(page_size=4, enable_prefix_caching=caching, max_state_checkpoints=cap)
     state = MambaSpec(block_size=4, shapes=((6, 3), (2, 4, 8)), dtypes=(DType.float32, DType.float32))
-    return MultiKVCacheParams({
-        "attention": make_params(n_kv_heads=2, head_dim=8, num_layers=1, devices=devices, **shared),
-        "state": StateCacheParams.from_spec(state, 2, devices, **shared),
-    })  # fmt: skip
+    children = {"state": StateCacheParams.from_spec(state, 2, devices, **shared)}
+    if attention:
+        children["attention"] = make_params(n_kv_heads=2, head_dim=8, num_layers=1, devices=devices, **shared)
+    return MultiKVCacheParams(children)
 
 
-def test_a_budget_pays_the_state_rows_then_a_third_of_the_rest_goes_to_checkpoints() -> None:
+def test_a_budget_pays_the_live_rows_then_buys_pages_that_checkpoints_share() -> None:
+    """With attention pages, a checkpoint is a run of pages (one budget): the budget pays the live rows only,
+    `max_state_checkpoints` stays a count (None: no cap)."""
     from pagedkv.core import memory
 
     params = _state_tree()
     row = memory.state_row_bytes(params)  # 2 layers x (6 x 3 + 2 x 4 x 8) x 4 bytes
     assert row == 2 * (18 + 64) * 4
-    page = memory.pool_page_bytes(params)
-    budget = 4 * row + 3 * 10 * row + 7  # 4 live rows, then 30 rows' worth: 10 checkpoints, the rest pages
+    page = memory.pool_page_bytes(params)  # 4 tokens x K and V x 2 heads x 8 x 4 bytes
+    assert page == 4 * 2 * 2 * 8 * 4 and memory.checkpoint_pages(params) == -(-row // page) == 2
+    budget = 4 * row + 100 * page + 7
+    assert memory.num_state_rows(params, 4, budget) == 4 == memory.num_state_rows(params, 4)
+    assert memory.compute_num_device_blocks(params, budget, max_batch_size=4) == 100
+    assert memory.with_budget_checkpoints(params, budget, 4) is params  # (no share of the budget to set)
+    assert memory.checkpoint_pages(_state_tree(caching=False)) == 0  # no checkpoint without caching
+    with pytest.raises(InsufficientBlocksError, match="cannot hold the 5 state rows"):
+        memory.compute_num_device_blocks(params, 5 * row - 1, max_batch_size=5)
+
+
+def test_state_layers_only_pay_the_live_rows_then_a_third_of_the_rest_goes_to_checkpoint_rows() -> None:
+    from pagedkv.core import memory
+
+    params = _state_tree(attention=False)
+    row = memory.state_row_bytes(params)
+    assert memory.checkpoint_pages(params) == 0 and memory.pool_page_bytes(params) == 0
+    budget = 4 * row + 3 * 10 * row + 7  # 4 live rows, then 30 rows' worth: 10 checkpoint rows
     assert memory.default_state_checkpoints(4, budget, row) == 10
     assert memory.default_state_checkpoints(4) == 8  # no budget: two per batch slot
     assert memory.num_state_rows(params, 4, budget) == 14 and memory.num_state_rows(params, 4) == 12
-    assert memory.compute_num_device_blocks(params, budget, max_batch_size=4) == (budget - 14 * row) // page
     capped = memory.with_budget_checkpoints(params, budget, 4)
     assert {leaf.max_state_checkpoints for leaf in capped.leaves()} == {10}
-    assert memory.with_budget_checkpoints(_state_tree(cap=3), budget, 4).max_state_checkpoints == 3  # a set cap stays
-    assert memory.num_state_rows(_state_tree(caching=False), 4, budget) == 4  # no checkpoint without caching
-    with pytest.raises(InsufficientBlocksError, match="cannot hold the 5 state rows"):
-        memory.compute_num_device_blocks(params, 5 * row - 1, max_batch_size=4)
+    assert memory.with_budget_checkpoints(_state_tree(cap=3, attention=False), budget, 4).max_state_checkpoints == 3
+    assert memory.num_state_rows(_state_tree(caching=False, attention=False), 4, budget) == 4
+    with pytest.raises(InsufficientBlocksError, match="cannot hold the 14 state rows"):
+        memory.compute_num_device_blocks(_state_tree(cap=10, attention=False), 14 * row - 1, max_batch_size=4)

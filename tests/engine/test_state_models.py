@@ -83,8 +83,13 @@ def test_state_model_matches_one_full_forward(model_type: str) -> None:
     expected = sum(leaf.num_layers * leaf.spec.state_content_size_bytes for leaf in state_leaves)
     assert summary["state_bytes_per_request"] == expected  # one slot per layer, no draft slots
     assert summary["state_rows_per_request"] == 1  # one row holds every state layer's state
-    assert summary["state_rows"] == 32 + 64  # a live row per batch slot + the default checkpoints (2 per slot)
-    assert summary["state_checkpoints"] == 2 * len(batch)  # each prompt's end and each release
+    states = engine.manager._managers[0].states
+    runs = memory.checkpoint_pages(engine.manager.params)
+    # a live row per batch slot; checkpoints take runs of attention pages, or (state layers only) 2 rows per slot
+    assert summary["state_rows"] == 32 + (0 if runs else 64) and states.run_pages == runs
+    assert states.num_saved == 2 * len(batch)  # each prompt's end and each release
+    assert summary["state_checkpoints"] == len(states) <= 2 * len(batch)  # (runs: the pool's LRU evicts some)
+    assert not runs or engine.manager._managers[0].pool.num_cached >= len(states) * runs
     held = len(engine.manager._managers[0].states.tail_refs())  # pages that hold checkpoints' tails
     assert summary["preemptions"] == 0 and engine.manager.num_free_blocks() == engine.manager.total_num_pages - held
 
@@ -200,8 +205,9 @@ def test_a_step_that_fails_midway_is_recomputed_not_replayed_on_moved_states(mod
 
 
 def test_a_memory_budget_pays_for_the_state_rows_then_buys_attention_pages() -> None:
-    """The attention page keeps its size; a budget first pays for the state rows (a live row per batch slot
-    and `max_state_checkpoints`), then buys budget // page attention pages."""
+    """The attention page keeps its size; a budget first pays for the state rows (a live row per batch slot),
+    then buys budget // page attention pages; checkpoints take runs of those pages (`max_state_checkpoints`
+    caps how many)."""
     model = build_state_model("qwen3_5_text")
     params = kv_layout(model.config, model=model, page_size=4).params
     assert params.page_size == 4  # no growth to a state's size
@@ -209,14 +215,16 @@ def test_a_memory_budget_pays_for_the_state_rows_then_buys_attention_pages() -> 
     row = memory.state_row_bytes(params)
     assert row == sum(-(-leaf.bytes_per_block_per_device // 8) * 8 for leaf in params.leaves()
                       if isinstance(leaf, StateCacheParams))  # fmt: skip
-    engine = LLMEngine.from_hf(model, page_size=4, memory_budget=(4 + 3) * row + 100 * page + 5, max_batch_size=4,
+    engine = LLMEngine.from_hf(model, page_size=4, memory_budget=4 * row + 100 * page + 5, max_batch_size=4,
                                max_state_checkpoints=3)  # fmt: skip
-    assert engine.manager.total_num_pages == 100 and engine.manager.num_state_rows == 4 + 3
+    assert engine.manager.total_num_pages == 100 and engine.manager.num_state_rows == 4
     (arena,) = engine.manager.get_device_buffer(0).to_memory()  # one TP shard: one attention arena
     assert arena.buffer.shape == (101, page)  # 100 pages + the null page
-    assert engine.manager.get_device_buffer(0).state_arenas[0].shape == (8, row)  # 7 rows + the null row
-    with pytest.raises(InsufficientBlocksError, match="cannot hold the 7 state rows"):
-        LLMEngine.from_hf(build_state_model("qwen3_5_text"), page_size=4, memory_budget=7 * row - 1,
+    assert engine.manager.get_device_buffer(0).state_arenas[0].shape == (5, row)  # 4 rows + the null row
+    states = engine.manager._managers[0].states
+    assert states.run_pages == -(-row // page) and states.max_checkpoints == 3
+    with pytest.raises(InsufficientBlocksError, match="cannot hold the 4 state rows"):
+        LLMEngine.from_hf(build_state_model("qwen3_5_text"), page_size=4, memory_budget=4 * row - 1,
                           max_batch_size=4, max_state_checkpoints=3)  # fmt: skip
 
 

@@ -169,10 +169,15 @@ class BlockPool:
         return list(pages)
 
     def _evict(self, n: int) -> list[int]:
-        lists, count = self._lists, self._lists.count
+        lists, count, fresh = self._lists, self._lists.count, self._fresh
         pages = []
         order, arc = self._order, self.arc
+        evicted = 0
         for _ in range(n):
+            if fresh:  # (an `on_uncached` hook freed more pages with a victim: a checkpoint's run)
+                pages.append(fresh.pop())
+                continue
+            evicted += 1
             if order is not None:
                 page = order.victim()
             elif arc is not None:
@@ -184,7 +189,7 @@ class BlockPool:
             lists.unlink(page)
             self._uncache(page)
             pages.append(page)
-        self.num_evictions += n
+        self.num_evictions += evicted
         return pages
 
     def want(self, keys: Iterable[BlockHash], ticket: float, delta: int = 1) -> None:
@@ -228,6 +233,15 @@ class BlockPool:
     def _rank(self, page: int) -> float:
         tickets = self._wanted.get(self._hash[page])  # type: ignore[arg-type]
         return -tickets[0] if tickets else _UNWANTED
+
+    def num_wanted_free(self) -> int:
+        """Free cached pages some waiting request wants (`want`): the last an allocation evicts. O(wants)."""
+        where, count = self._lists.where, 0
+        for key in self._wanted:
+            for cache in self._caches:
+                page = cache.get(key)
+                count += page is not None and where[page] in (LRU, PROBATION)
+        return count
 
     @property
     def num_wanted(self) -> int:
@@ -396,11 +410,15 @@ class BlockPool:
         Pages in use or pinned keep their hashes, so running requests still commit and hit.
         """
         pages = [*self.list_pages(LRU), *self.list_pages(PROBATION)]
+        done = []
         for page in pages:
+            if self._hash[page] is None:  # (an `on_uncached` hook uncached it with another page: fresh already)
+                continue
             self._lists.unlink(page)
             self._uncache(page)
-        self._fresh.extend(reversed(pages))
-        return len(pages)
+            done.append(page)
+        self._fresh.extend(reversed(done))
+        return len(done)
 
     # ------------------------------------------------------------------ retention
     def set_priority(self, pages: Iterable[int], priority: int, duration_s: float | None = None) -> None:

@@ -128,3 +128,26 @@ def check_swap_restore(
             needed=need,
             available=available,
         )
+
+
+def check_state_args(
+    groups: Sequence[GroupManager], num_state_rows: object, checkpoint_pages: object, max_checkpoints: object
+) -> set[int]:
+    """The state slots per request of `groups` (empty: no recurrent state), after checking them and the state
+    arguments: `num_state_rows` holds one request's slots, `checkpoint_pages` (pages of a checkpoint's run; 0
+    keeps checkpoints in state rows) needs recurrent state and attention pages, `max_checkpoints` is None or a
+    count. ValueError/TypeError naming the argument otherwise (a run longer than the pool is never saved)."""
+    slots = {g.state_slots for g in groups if g.state_slots}
+    if len(slots) > 1:
+        raise ValueError(f"every state group must have the same slots per request, got {sorted(slots)}")
+    if slots and (type(num_state_rows) is not int or num_state_rows < max(slots)):
+        raise ValueError(f"num_state_rows={num_state_rows!r} must be an int >= {max(slots)} (one request's "
+                         "live and draft state slots) for a model with recurrent state")  # fmt: skip
+    check_int("checkpoint_pages", checkpoint_pages, 0)
+    if max_checkpoints is not None:
+        check_int("max_state_checkpoints", max_checkpoints, 0)
+    token_pages = any(not g.state_slots and not g.reads_encoder for g in groups)
+    if checkpoint_pages and not (slots and token_pages):
+        raise ValueError(f"checkpoint_pages={checkpoint_pages} needs a model with recurrent state and attention "
+                         "pages (a model of state layers only keeps checkpoints in state rows)")  # fmt: skip
+    return slots

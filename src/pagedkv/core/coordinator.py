@@ -27,19 +27,19 @@ from collections.abc import Iterable, Sequence
 
 from pagedkv.core import hybrid_state
 from pagedkv.core.block_pool import BlockPool
-from pagedkv.core.checkpoints import Checkpoint, StateCheckpoints, StateCopy
-from pagedkv.core.checks import check_hybrid_tables, check_manager_args, check_swap_restore
+from pagedkv.core.checkpoints import Checkpoint, RunCopy, StateCheckpoints, StateCopy
+from pagedkv.core.checks import check_hybrid_tables, check_manager_args, check_state_args, check_swap_restore
 from pagedkv.core.context import RequestID, TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.errors import require as _require
 from pagedkv.core.events import BlockHooks, BlockRemoved, EventSink
 from pagedkv.core.hashing import BlockHash, PrefixHasher
-from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, SwappedGroups, find_hit, release_order
+from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, SwappedGroups, find_hit
 from pagedkv.core.managers import GroupManager
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy
 from pagedkv.core.queue_wants import QueueWants
-from pagedkv.core.state_hits import find_state_hit, keeps, plan_fits, release_rows, save_state
+from pagedkv.core.state_hits import find_state_hit, keeps, plan_fits, release_request, save_state, wanted_run
 from pagedkv.core.tables import (
     BatchTables,
     RequestPages,
@@ -71,14 +71,11 @@ class KVCacheCoordinator:
         protected_fraction: float = 0.25,
         evict_leaves_first: bool = False,
         num_state_rows: int = 0,
+        checkpoint_pages: int = 0,
+        max_state_checkpoints: int | None = None,
     ) -> None:
         check_manager_args(page_size, enable_prefix_caching, num_speculative_tokens, hash_seed, evict_leaves_first)
-        slots = {g.state_slots for g in groups if g.state_slots}
-        if len(slots) > 1:
-            raise ValueError(f"every state group must have the same slots per request, got {sorted(slots)}")
-        if slots and (type(num_state_rows) is not int or num_state_rows < max(slots)):
-            raise ValueError(f"num_state_rows={num_state_rows!r} must be an int >= {max(slots)} (one request's "
-                             "live and draft state slots) for a model with recurrent state")  # fmt: skip
+        slots = check_state_args(groups, num_state_rows, checkpoint_pages, max_state_checkpoints)
         self.pool = BlockPool(num_blocks, enable_prefix_caching, len(groups), eviction_policy, protected_fraction,
                               evict_leaves_first)  # fmt: skip
         self.page_size = page_size
@@ -99,10 +96,13 @@ class KVCacheCoordinator:
         self.states: StateCheckpoints | None = None  # state rows and checkpoints (models with recurrent state)
         if slots:
             self.states = StateCheckpoints(num_state_rows, max(slots), self.pool, page_size,
-                                           enabled=enable_prefix_caching, eviction_policy=eviction_policy)  # fmt: skip
+                                           enabled=enable_prefix_caching, eviction_policy=eviction_policy,
+                                           run_pages=checkpoint_pages, max_checkpoints=max_state_checkpoints)  # fmt: skip
             self.states.groups = tuple(self._state_ids)
         self.tier_link: TierLink | None = None  # the tiers below, asked at a request's first alloc (`tier_hits`)
         self.wants = QueueWants(self.pool, self.hasher)  # waiting requests told by `expect`
+        if self.states is not None and checkpoint_pages and enable_prefix_caching:  # (their checkpoints' runs too)
+            self.wants.extra = lambda ctx, keys: wanted_run(self.states, self.hasher, ctx, keys)  # type: ignore[arg-type]
         self.tier_groups = TierGroups(self._cacheable_ids, self._decoder_ids, (self._state_ids or [-1])[0])
 
     def claim(self, request_id: object, *, dummy: bool = False) -> None:
@@ -122,12 +122,8 @@ class KVCacheCoordinator:
         if st is None:
             raise ValueError(f"Attempted to release request ID {request_id!r} but it is not claimed")
         del self._reqs[request_id]
-        if self.states is not None:
-            release_rows(self.states, self.hasher, st, request_id, self._decoder_ids, self._state_ids[0],
-                         self.enable_prefix_caching)  # fmt: skip
-        self.pool.unpin(st.pinned)
-        pages, held = release_order(self.groups, self.pool, st)
-        self.pool.release(pages, held)
+        release_request(self.states, self.hasher, self.pool, self.groups, st, request_id,
+                        self.enable_prefix_caching)  # fmt: skip
 
     # ----------------------------------------------------------------- alloc
     def alloc(self, ctx: TextContext, num_scheduled_tokens: int | None = None) -> None:
@@ -268,8 +264,8 @@ class KVCacheCoordinator:
         return Plan(hit, hit_pages, new_keys, digest, drops, new, pins, checkpoint, rows, cut)
 
     def _evictable_hits(self, plan: Plan) -> int:
-        null = self.pool.null_block
-        return self.pool.count_unreferenced(p for pages in plan.hit_pages for p in pages if p != null)
+        null, run = self.pool.null_block, plan.checkpoint.run if plan.checkpoint is not None else ()
+        return self.pool.count_unreferenced([*(p for pages in plan.hit_pages for p in pages if p != null), *run])
 
     def _apply(self, st: HybridRequest, ctx: TextContext, plan: Plan) -> None:
         tokens, ps, null = ctx.tokens, self.page_size, self.pool.null_block
@@ -345,6 +341,7 @@ class KVCacheCoordinator:
         move to the protected list, plus `_freed_by` and its own protected pages (`_own`)."""
         pool, null, own_ok = self.pool, self.pool.null_block, self._alone(st)
         hits = {p for pages in plan.hit_pages for p in pages if p != null}
+        hits.update(plan.checkpoint.run if plan.checkpoint is not None else ())  # (a run the restore holds)
         lost = sum(1 for p in hits if pool.ref_count(p) == 0 and not pool.is_protected(p))
         lost += sum(
             1
@@ -557,7 +554,8 @@ class KVCacheCoordinator:
         return dropped + self.pool.reset_prefix_cache()
 
     def expect(self, contexts: Sequence[TextContext]) -> int:
-        """Queue-aware retention over every group's pages (as `BlockManager.expect`; not state checkpoints)."""
+        """Queue-aware retention over every group's pages (as `BlockManager.expect`) and the run of the state
+        checkpoint each waiting request would resume from (checkpoints in rows keep their own order)."""
         started = lambda c: bool(c.tokens.processed_length) or c.request_id in self._reqs  # noqa: E731
         return self.wants.expect(contexts, started) if self.enable_prefix_caching else 0
 
@@ -573,11 +571,13 @@ class KVCacheCoordinator:
         """Send KV events to `emit` (None: stop): pages committed or evicted in each cacheable group and
         state checkpoints (one event per state group, kind "mamba"), with group index and spec kind."""
         self.hooks.emit = emit
-        self.pool.on_removed = None if emit is None else (lambda h, g: emit(BlockRemoved([h], "GPU", g)))
+        runs = set(self._state_ids)  # (checkpoint runs are cached in a state group: their own events say so)
+        removed = None if emit is None else (lambda h, g: None if g in runs else emit(BlockRemoved([h], "GPU", g)))
+        self.pool.on_removed = removed
         if self.states is not None:
             self.states.emit = emit
 
-    def take_state_copies(self) -> tuple[list[StateCopy], list[PageCopy]]:
+    def take_state_copies(self) -> tuple[list[StateCopy | RunCopy], list[PageCopy]]:
         """Pending data moves of state checkpoints, in order (saves, restores' rows and tail slots); the
         owner of the buffers runs them before the next forward pass (`StateCheckpoints.take`)."""
         return self.states.take() if self.states is not None else ([], [])

@@ -8,8 +8,10 @@ scales included; MLA counts every replicated copy), so the budget is the sum
 over all devices. A hybrid tree's attention groups alias one arena row per
 page id (`pool_page_bytes`: the largest group's page, not the sum). Recurrent
 state lives in rows of its own (`state_row_bytes`: every state group's page,
-side by side), one set per running request plus the state checkpoints
-(`num_state_rows`); a budget pays for those rows first.
+side by side), one set per running request (`num_state_rows`); a budget pays
+for those rows first. State checkpoints of a model with attention pages take
+runs of `checkpoint_pages` attention pages (one budget with the pages); a model
+of state layers only keeps them in more state rows (`max_state_checkpoints`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "state_slots_per_request",
     "state_row_bytes",
     "num_state_rows",
+    "checkpoint_pages",
     "default_state_checkpoints",
     "with_budget_checkpoints",
     "compute_num_device_blocks",
@@ -85,6 +88,15 @@ def state_row_bytes(params: KVCacheParamInterface) -> int:
     return per_device * params.tensor_parallel_degree
 
 
+def checkpoint_pages(params: KVCacheParamInterface) -> int:
+    """Attention pages one state checkpoint's run takes (the state row's bytes over the pool page's, rounded
+    up), or 0: no recurrent state, prefix caching off, or no attention pages (checkpoints then take rows)."""
+    row, page = state_row_bytes(params), pool_page_bytes(params)
+    if not row or not page or not params.enable_prefix_caching:
+        return 0
+    return -(-row // page)
+
+
 CHECKPOINT_SHARE = 3  # with a byte budget and no cap set, checkpoints take a third of what live rows leave
 
 
@@ -100,9 +112,9 @@ def default_state_checkpoints(max_batch_size: int, budget: int | None = None, ro
 
 def with_budget_checkpoints(params: KVCacheParamInterface, budget: int, max_batch_size: int) -> KVCacheParamInterface:
     """`params` with `max_state_checkpoints` set from a replica's byte `budget` (`default_state_checkpoints`)
-    when a model with recurrent state and prefix caching leaves it None (every cache of a flat tree shares
-    the field); else `params` itself."""
-    if not state_slots_per_request(params) or not params.enable_prefix_caching:
+    when a model of state layers only, with prefix caching, leaves it None (every cache of a flat tree shares
+    the field); else `params` itself (checkpoints in runs of attention pages need no share of the budget)."""
+    if not state_slots_per_request(params) or not params.enable_prefix_caching or checkpoint_pages(params):
         return params
     if params.max_state_checkpoints is not None:
         return params
@@ -117,12 +129,14 @@ def _with_cap(params: KVCacheParamInterface, cap: int) -> KVCacheParams | MultiK
 
 
 def num_state_rows(params: KVCacheParamInterface, max_batch_size: int, budget: int | None = None) -> int:
-    """State rows per replica: `max_batch_size` requests' live and draft slots, plus the checkpoints
-    (`max_state_checkpoints`, or `default_state_checkpoints` of a replica's `budget`) when prefix caching
-    is on (0 without state caches)."""
+    """State rows per replica: `max_batch_size` requests' live and draft slots, plus, for a model of state
+    layers only, the checkpoints (`max_state_checkpoints`, or `default_state_checkpoints` of a replica's
+    `budget`) when prefix caching is on (0 without state caches)."""
     slots = state_slots_per_request(params)
     if not slots:
         return 0
+    if checkpoint_pages(params):  # (checkpoints take runs of attention pages)
+        return max_batch_size * slots
     cap = getattr(params, "max_state_checkpoints", None)
     checkpoints = default_state_checkpoints(max_batch_size, budget, state_row_bytes(params)) if cap is None else cap
     return max_batch_size * slots + (checkpoints if params.enable_prefix_caching else 0)

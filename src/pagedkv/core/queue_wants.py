@@ -30,6 +30,9 @@ class QueueWants:
         self.hasher = hasher
         self.entries: dict[RequestID, tuple[list[BlockHash], float, bytes]] = {}  # keys, ticket, chain root
         self.ticket = 0.0  # the last ticket handed out at the back of the queue
+        # more keys a waiting context wants besides its prefix pages (its state checkpoint's run: see
+        # `KVCacheCoordinator`), from the context and its prefix keys
+        self.extra: Callable[[TextContext, list[BlockHash]], list[BlockHash]] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.entries)
@@ -71,6 +74,8 @@ class QueueWants:
     def _want(self, ctx: TextContext, ticket: float) -> None:
         n = (len(ctx.tokens) - 1) // self.hasher.page_size
         keys, _ = more_keys(self.hasher, _NO_REQUEST, ctx, n) if n > 0 else ([], b"")
+        if self.extra is not None:
+            keys = [*keys, *self.extra(ctx, keys)]
         self.entries[ctx.request_id] = (keys, ticket, self.hasher.root(ctx.cache_salt))
         self.pool.want(keys, ticket)
 

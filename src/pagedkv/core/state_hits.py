@@ -13,14 +13,17 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from pagedkv.core.block_pool import BlockPool
-from pagedkv.core.checkpoints import Checkpoint, StateCheckpoints
+from pagedkv.core.checkpoints import Checkpoint, StateCheckpoints, run_key
 from pagedkv.core.context import TextContext
 from pagedkv.core.hashing import BlockHash, PrefixHasher
-from pagedkv.core.hybrid_state import HybridRequest, Plan, find_hit
+from pagedkv.core.hybrid_state import HybridRequest, Plan, find_hit, release_order
 from pagedkv.core.managers import GroupManager
 from pagedkv.core.tables import more_keys
 
-__all__ = ["find_state_hit", "keeps", "plan_fits", "release_rows", "save_state"]
+__all__ = [
+    "find_state_hit", "held_for_release", "keeps", "plan_fits", "release_request", "release_rows", "save_state",
+    "wanted_run",
+]  # fmt: skip
 
 
 def find_state_hit(
@@ -94,9 +97,46 @@ def release_rows(
     states.free(rows)
 
 
+def release_request(
+    states: StateCheckpoints | None, hasher: PrefixHasher, pool: BlockPool, groups: Sequence[GroupManager],
+    st: HybridRequest, request_id: Hashable, caching: bool,
+) -> None:  # fmt: skip
+    """Free a released request's pages in every group (tail first, `release_order`) and its state rows
+    (`release_rows`: its last state may become a checkpoint). A checkpoint in a run is saved once the request's
+    private pages are free, the pages it resumes over held meanwhile (`held_for_release`), so taking a run
+    never evicts them; a checkpoint in rows is kept before any page is freed."""
+    tokens = [g.group for g in groups if not g.reads_encoder and not g.state_slots]
+    state = next((g.group for g in groups if g.state_slots), -1)
+    late = states is not None and states.run_pages > 0
+    keep = held_for_release(st, tokens, hasher.page_size, pool.null_block) if late and caching else []
+    pool.touch(keep)
+    if states is not None and not late:
+        release_rows(states, hasher, st, request_id, tokens, state, caching)
+    pool.unpin(st.pinned)
+    pages, held = release_order(groups, pool, st)
+    pool.release(pages, held)
+    if states is not None and late:
+        release_rows(states, hasher, st, request_id, tokens, state, caching)
+        kept = set(keep)
+        pool.free([p for p in pages if p in kept])  # (in release order: deepest evicted first)
+
+
+def held_for_release(st: HybridRequest, token_groups: Sequence[int], page_size: int, null: int) -> list[int]:
+    """The pages of `token_groups` a checkpoint saved at the request's release resumes over (up to the page
+    holding its state position ``st.state_at``), held while its run is taken: taking a run then finds the
+    request's private pages freed, never these. Empty when no checkpoint is due (see `release_rows`)."""
+    if st.state_at <= 0 or st.ctx is None or st.dummy:
+        return []
+    k = st.state_at // page_size + 1
+    tables = [st.tables[g] for g in token_groups]
+    return [int(p) for t in tables for p in t.pages[: min(k, t.num_pages)].tolist() if p != null]
+
+
 def keeps(plan: Plan) -> tuple[Checkpoint | None, set[int]]:
-    """What a reclaim for `plan` must not count on: its checkpoint, its hit pages and the pages it pins."""
-    return plan.checkpoint, {p for pages in plan.hit_pages for p in pages} | set(plan.pins)
+    """What a reclaim for `plan` must not count on: its checkpoint, its hit pages (its checkpoint's run too)
+    and the pages it pins."""
+    run = plan.checkpoint.run if plan.checkpoint is not None else ()
+    return plan.checkpoint, {p for pages in plan.hit_pages for p in pages} | set(plan.pins) | set(run)
 
 
 def plan_fits(states: StateCheckpoints | None, plan: Plan, short: int) -> str | None:
@@ -109,5 +149,19 @@ def plan_fits(states: StateCheckpoints | None, plan: Plan, short: int) -> str | 
         return None
     if plan.rows <= states.num_available(plan.checkpoint):
         return "hold"
-    free = states.rows.ref_count(plan.checkpoint.row) == 0
-    return "adopt" if free and plan.rows <= states.num_available() else None
+    return "adopt" if states.can_adopt(plan.checkpoint) and plan.rows <= states.num_available() else None
+
+
+def wanted_run(
+    states: StateCheckpoints, hasher: PrefixHasher, ctx: TextContext, keys: list[BlockHash]
+) -> list[BlockHash]:
+    """The run keys of the deepest checkpoint a waiting context would resume from over its prefix `keys` (its
+    pages' keys; queue-aware retention keeps them with the pages), or none. No side effects."""
+    ps, tokens = states.page_size, ctx.tokens.all
+    last = len(tokens) - 1
+    root = hasher.root(ctx.cache_salt)
+    for h in range(len(keys), -1, -1):
+        hit = states.find(keys[h - 1] if h else (root,), tokens, h * ps, min(h * ps + ps - 1, last))
+        if hit is not None and hit.run:
+            return [run_key(hit.key, i) for i in range(len(hit.run))]
+    return []

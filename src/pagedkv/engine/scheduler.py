@@ -145,6 +145,8 @@ class Scheduler:
         request.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(request)
+        if self._expect:  # (its cached prefix is wanted from now on, before any later eviction of this step)
+            self.manager.expect([request.ctx])
 
     def _admit(self, budget: int, batch_size: int) -> list[Request]:
         admitted: list[Request] = []

@@ -69,7 +69,8 @@ def make_block_manager(
     params: KVCacheParamInterface, total_num_pages: int, max_batch_size: int = 1
 ) -> ReplicaBookkeeping:
     """A `BlockManager` (all full attention) or a `KVCacheCoordinator` with one group per cache (state
-    caches get `memory.num_state_rows(params, max_batch_size)` state rows).
+    caches get `memory.num_state_rows(params, max_batch_size)` state rows; their checkpoints take runs of
+    `memory.checkpoint_pages(params)` attention pages, at most `max_state_checkpoints`).
 
     ValueError for ``enable_partial_page_reuse`` or ``commit_on_alloc`` on a hybrid model (the coordinator
     does not support them)."""
@@ -91,8 +92,10 @@ def make_block_manager(
                              "sliding window, chunked, sinks or cross-attention caches)")  # fmt: skip
     group_names(params)  # validates the shape of the tree
     groups = [manager_for(g, leaf.kv_cache_spec) for g, leaf in enumerate(params.leaves())]
-    rows = memory.num_state_rows(params, max_batch_size)
-    coordinator = KVCacheCoordinator(total_num_pages, params.page_size, groups, num_state_rows=rows, **kwargs)
+    rows, run = memory.num_state_rows(params, max_batch_size), memory.checkpoint_pages(params)
+    cap = params.max_state_checkpoints if run else None
+    coordinator = KVCacheCoordinator(total_num_pages, params.page_size, groups, num_state_rows=rows,
+                                     checkpoint_pages=run, max_state_checkpoints=cap, **kwargs)  # fmt: skip
     coordinator.hasher.set_version(params.weights_version)
     return coordinator
 

@@ -24,6 +24,7 @@ import torch
 
 from pagedkv.core import memory
 from pagedkv.core.block_manager import BlockManager
+from pagedkv.core.checkpoints import RunCopy
 from pagedkv.core.context import RequestID, Retention, TextContext
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.events import KVEventBatch
@@ -39,6 +40,7 @@ from pagedkv.manager.swap import SwappedRequests
 from pagedkv.manager.tiering import Tiering
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.ops.page_copy import copy_page_slots
+from pagedkv.ops.state_runs import copy_state_run
 from pagedkv.params import BatchCharacteristics, KVConnectorType
 from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer
 from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs
@@ -91,7 +93,7 @@ class PagedKVCacheManager:
         self.page_size = params.page_size
         self.num_replicas = params.data_parallel_degree
         self.hybrid = hybrid.is_hybrid(params)
-        self.num_state_rows = memory.num_state_rows(params, max_batch_size)  # live + checkpoints (0: no state)
+        self.num_state_rows = memory.num_state_rows(params, max_batch_size)  # live (+ checkpoints: no attention)
         self._managers = [
             hybrid.make_block_manager(params, total_num_pages, max_batch_size) for _ in range(self.num_replicas)
         ]
@@ -110,14 +112,14 @@ class PagedKVCacheManager:
         max_seq_len: int | None = None,
         enable_runtime_checks: bool = False,
     ) -> PagedKVCacheManager:
-        """A manager with as many pages as `available_cache_memory` bytes hold (see `pagedkv.core.memory`).
-        A model with recurrent state and prefix caching whose `max_state_checkpoints` is None gets it set
-        from the budget first (`memory.default_state_checkpoints`; the manager's `params` show it)."""
+        """A manager with as many pages as `available_cache_memory` bytes hold (see `pagedkv.core.memory`). A
+        model of state layers only, with prefix caching and `max_state_checkpoints` None, gets it set from the
+        budget first (`memory.with_budget_checkpoints`; the manager's `params` show it)."""
         params = memory.with_budget_checkpoints(params, available_cache_memory // params.data_parallel_degree,
                                                 max_batch_size)  # fmt: skip
         pages = memory.compute_num_device_blocks(params, available_cache_memory, max_batch_size, max_seq_len)
-        host_pages = memory.compute_num_host_blocks(params)
-        return cls(params, None, pages, host_pages, enable_runtime_checks, max_batch_size=max_batch_size)
+        return cls(params, None, pages, memory.compute_num_host_blocks(params), enable_runtime_checks,
+                   max_batch_size=max_batch_size)  # fmt: skip
 
     @classmethod
     def from_kv_cache_config(
@@ -202,8 +204,9 @@ class PagedKVCacheManager:
         checks.check_request_id(request_id)
         if not bm.contains(request_id) and self._swapped.drop(request_id, replica_idx):
             return
-        if self.tiers.links:  # a tier copy staged for its state row or pages lands before either is reused
-            self.tiers.complete_loads()
+        if self.tiers.links:  # a tier copy staged for its state row or pages lands before either is reused; a
+            self.tiers.complete_loads()  # checkpoint saved into a run may evict pages an image copy still reads
+            self.tiers.before_alloc()
         bm.release(request_id)
         self._apply_state_copies(replica_idx)  # a checkpoint saved at release copies before anyone moves on
         if self.tiers.links:
@@ -323,21 +326,21 @@ class PagedKVCacheManager:
 
     def _apply_state_copies(self, r: int) -> int:
         """Run replica `r`'s pending state-checkpoint copies in order (`KVCacheCoordinator.take_state_copies`):
-        whole state rows on every shard, then the attention tail slots of restored checkpoints in every
-        attention group's buffers. Returns how many ran."""
-        bm = self._managers[r]
+        whole state rows, or rows and runs of attention pages (`ops.state_runs`), on every shard; then the
+        attention tail slots of restored checkpoints in every attention group's buffers. Returns how many."""
+        bm, buffer = self._managers[r], self._buffers[r]
         if not isinstance(bm, KVCacheCoordinator) or bm.states is None:
             return 0
         copies, pages = bm.take_state_copies()
-        buffer = self._buffers[r]
-        for src, dst in copies:  # in order: a restore may read the row a save just wrote
-            for arena in buffer.state_arenas:
-                arena[dst].copy_(arena[src])
-        if pages:
-            for child in buffer.children.values():
-                if not isinstance(child, StateCacheBuffer):
-                    for tensor in child.all_buffers:
-                        copy_page_slots(tensor, pages)
+        for copy in copies:  # in order: a restore may read the row (or run) a save just wrote
+            for page_arena, arena in zip(buffer.arenas, buffer.state_arenas, strict=True):
+                if isinstance(copy, RunCopy):
+                    copy_state_run(page_arena, arena, copy.row, copy.pages, copy.save)
+                else:
+                    arena[copy.dst].copy_(arena[copy.src])
+        for child in buffer.children.values() if pages else ():
+            for tensor in child.all_buffers if not isinstance(child, StateCacheBuffer) else ():
+                copy_page_slots(tensor, pages)
         return len(copies) + len(pages)
 
     def num_state_checkpoints(self, replica_idx: int = 0) -> int:

@@ -194,9 +194,10 @@ class CoordinatorTiers:
         saved, states.saved = states.saved, []
         for entry in saved:
             if states.is_current(entry):
-                self.images.bind(entry.row, entry.pages)
+                image = self.images.run_id(entry.run[0]) if entry.run else entry.row
+                self.images.bind(image, entry.pages, entry.run)
                 head = None if isinstance(entry.parent, tuple) else entry.parent
-                self.states.offload([entry.row], [entry.key], head)  # type: ignore[arg-type]
+                self.states.offload([image], [entry.key], head)  # type: ignore[arg-type]
 
     def _forget_unloaded(self, pages: list[int], keys: list[BlockHash]) -> None:
         """Pages whose copy failed leave the device prefix cache (see `Tiering._forget_unloaded`)."""

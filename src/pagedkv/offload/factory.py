@@ -87,7 +87,7 @@ def create_state_connector(
     """The connector of one replica's state checkpoints (`StateImageMover` images under checkpoint keys):
     `host_rows` image rows, and the same lower tier as the pages (a third of the disk cap, `STATE_TIER_SHARE`).
     None when there would be no tier at all (no host row and no disk or Redis)."""
-    images = StateImageMover(buffer.state_arenas, pages, tail_groups)
+    images = StateImageMover(buffer.state_arenas, pages, tail_groups, buffer.arenas)
     if not host_rows and params.kv_connector not in (KVConnectorType.tiered, KVConnectorType.redis):
         return None
     config = params.kv_connector_config or KVConnectorConfig()

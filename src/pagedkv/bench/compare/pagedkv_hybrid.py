@@ -103,7 +103,8 @@ class StallError(RuntimeError):
 
 class StateCheckpointAdapter:
     """`CacheAdapter` over the hybrid's `KVCacheCoordinator` (`make_block_manager`, the engine's factory),
-    `num_pages` attention pages and ``memory.num_state_rows(params, max_num_seqs)`` state rows."""
+    `num_pages` attention pages (checkpoints take runs of them) and ``memory.num_state_rows(params,
+    max_num_seqs)`` live state rows."""
 
     def __init__(self, name: str, params: MultiKVCacheParams, num_pages: int, max_num_seqs: int) -> None:
         self.name = name
@@ -112,7 +113,7 @@ class StateCheckpointAdapter:
         self.coord = coord
         self.states = coord.states
         self.num_state_rows = num_state_rows(params, max_num_seqs)
-        self.state_copies = 0  # state rows copied (checkpoint saves and restores)
+        self.state_copies = 0  # state rows copied (checkpoint saves and restores, rows and runs)
         self.tail_copies = 0  # attention page tails copied (token-granular restores)
         self.cut_chunks = 0  # prefill chunks shortened to end at a checkpoint cut
 
@@ -134,7 +135,7 @@ class StateCheckpointAdapter:
         pass
 
     def lookahead(self, waiting: Sequence[TraceRequest]) -> None:
-        """The engine scheduler's queue-aware retention (attention pages; state rows keep their own order)."""
+        """The engine scheduler's queue-aware retention (attention pages and checkpoint runs)."""
         self.coord.expect(handles(waiting))
 
     def admit(self, req: TraceRequest, budget: int) -> tuple[int, int] | None:

@@ -4,13 +4,12 @@ On the `bench compare` workloads (zipf system prompts, multi-turn, few-shot, doc
 replays through the compare driver (`sim.simulate`, `max_num_seqs` = S) at a few byte budgets B, with:
 
 - pagedkv on the hybrid (`pagedkv_hybrid.StateCheckpointAdapter`: 8 full-attention layers in 16-token
-  pages, 24 gated-delta-net layers in state rows with checkpoints), for several checkpoint caps C
-  (``KVCacheParams.max_state_checkpoints``; multiples of S) and its default (``pagedkv``: no cap set, so
-  checkpoints take a third of what the live rows leave of the budget, `memory.default_state_checkpoints`):
-  the budget pays
-  S live rows + C checkpoint rows first (51,511,296 B each), the rest buys attention pages
-  (`memory.compute_num_device_blocks`). A cap whose rows leave fewer pages than the longest request needs
-  is reported as "does not fit"; a run in which a request is refused with nothing else running (checkpoint
+  pages, 24 gated-delta-net layers in state rows): the budget pays S live rows first (51,511,296 B each),
+  the rest buys attention pages (`memory.compute_num_device_blocks`), and state checkpoints take runs of
+  those pages (99 pages each, `memory.checkpoint_pages`): one byte budget, one eviction policy. Its default
+  (``pagedkv``: ``KVCacheParams.max_state_checkpoints`` unset, no cap) and caps C on how many checkpoints
+  are kept (multiples of S). A budget whose rows leave fewer pages than the longest request needs is
+  reported as "does not fit"; a run in which a request is refused with nothing else running (checkpoint
   tails that cannot give their pages back: `pagedkv_hybrid.StallError`) as "stalled", where the engine's
   scheduler would drop that request with `InsufficientBlocksError`.
 - vLLM 0.33's hybrid `KVCacheManager` in Mamba align mode (`peer_vllm_hybrid.VllmHybridAdapter.from_bytes`:
@@ -24,11 +23,11 @@ replays through the compare driver (`sim.simulate`, `max_num_seqs` = S) at a few
 
 Budgets: `fractions` of the bytes the ceiling's unbounded cache ends up holding (distinct full pages of the
 trace x 2 MiB), as `bench compare` sweeps fractions of the unbounded pages, never below the floor where
-pagedkv runs with the smallest cap swept (S live rows + C checkpoint rows, twice the longest request's
-attention pages and one page per row: see `budgets`) nor below twice the longest request in the ceiling.
-pagedkv's eviction policy (attention pages and checkpoint rows alike) is `eviction` (LRU unless set); the
+pagedkv runs (S live rows, twice the longest request's attention pages and one page per row: see `budgets`)
+nor below twice the longest request in the ceiling.
+pagedkv's eviction policy (attention pages and checkpoint runs alike) is `eviction` (LRU unless set); the
 ceiling keeps LRU. Per workload the "unbounded hybrid"
-figure is pagedkv's hybrid with unlimited rows and pages: what its checkpoint saving rule itself allows.
+figure is pagedkv's hybrid with unlimited pages: what its checkpoint saving rule itself allows.
 Hit rate = prompt tokens served from the cache / prompt tokens over first admissions, as `bench compare`.
 """
 
@@ -57,7 +56,7 @@ from pagedkv.bench.compare.sim import CacheAdapter, SimConfig, SimResult, simula
 from pagedkv.bench.timing import gc_frozen
 from pagedkv.bench.workloads import TraceRequest, ideal_hit_rates, make_trace, unique_pages
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.memory import default_state_checkpoints, num_state_rows, pool_page_bytes, state_row_bytes
+from pagedkv.core.memory import checkpoint_pages, num_state_rows, pool_page_bytes, state_row_bytes
 
 __all__ = [
     "CHECKPOINT_MULTIPLES",
@@ -73,10 +72,10 @@ __all__ = [
 
 WORKLOADS = ("zipf", "multiturn", "fewshot", "docqa")
 FRACTIONS = (0.1, 0.2, 0.4, 1.0)
-CHECKPOINT_MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # checkpoint caps C, in multiples of S (2.0: the default without a budget)
+CHECKPOINT_MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # checkpoint caps C, in multiples of S
 MAX_NUM_SEQS = 32
 CEILING, CEILING_STEP, VLLM = "ceiling", "ceiling-step", "vllm-hybrid"
-DEFAULT = "pagedkv"  # pagedkv with max_state_checkpoints=None: a third of what live rows leave, in checkpoints
+DEFAULT = "pagedkv"  # pagedkv with max_state_checkpoints=None: as many checkpoints as the pages hold
 MiB, GiB = 1 << 20, 1 << 30
 
 Progress = Callable[[int, int, str], None]
@@ -86,13 +85,11 @@ def _pagedkv(c: int) -> str:
     return f"pagedkv-c{c}"
 
 
-def budgets(trace: list[TraceRequest], fractions: Sequence[float], max_num_seqs: int, checkpoints: int,
-            page_size: int = 16) -> list[int]:  # fmt: skip
+def budgets(trace: list[TraceRequest], fractions: Sequence[float], max_num_seqs: int, page_size: int = 16) -> list[int]:
     """The byte budgets of the sweep (whole MiB): `fractions` of the ceiling's unbounded cache, at least the
-    floor where pagedkv runs with `checkpoints` (the smallest cap swept): its rows, twice the longest request's
-    attention pages and one page per row (a checkpoint's tail holds one until row pressure evicts it, so a
-    request alone always fits), and at least twice the longest request in the ceiling."""
-    hybrid = hybrid_params(page_size=page_size, max_state_checkpoints=checkpoints)
+    floor where pagedkv runs: its live rows, twice the longest request's attention pages and one page per row,
+    and at least twice the longest request in the ceiling."""
+    hybrid = hybrid_params(page_size=page_size)
     ceiling = ceiling_params(page_size=page_size)
     longest = max(-(-len(r.tokens) // page_size) for r in trace)
     rows = num_state_rows(hybrid, max_num_seqs)  # every row may hold a checkpoint whose tail holds a page
@@ -116,9 +113,10 @@ def _row(workload: str, budget: int, res: SimResult, **extra: Any) -> dict[str, 
 
 
 def _unbounded_hybrid(trace: list[TraceRequest], config: SimConfig, page_size: int) -> SimResult:
-    """pagedkv's hybrid with a checkpoint row for everything it saves and a page for every token."""
-    params = hybrid_params(page_size=page_size, max_state_checkpoints=4 * len(trace) + config.max_num_seqs)
-    pages = sum(-(-len(r.tokens) // page_size) for r in trace) + 1
+    """pagedkv's hybrid with a page for every token and a run for everything it saves."""
+    params = hybrid_params(page_size=page_size)
+    saves = 4 * len(trace) + config.max_num_seqs
+    pages = sum(-(-len(r.tokens) // page_size) for r in trace) + 1 + saves * checkpoint_pages(params)
     return _replay(StateCheckpointAdapter("pagedkv-unbounded", params, pages, config.max_num_seqs), trace, config)
 
 
@@ -138,14 +136,13 @@ def run_state_prefix(
     """Run the sweep; returns {"rows", "workloads", "bytes", "skipped", "config"} (see `format_markdown`)."""
     config = SimConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     caps = sorted({max(1, round(m * max_num_seqs)) for m in checkpoint_multiples})
-    default = default_state_checkpoints(max_num_seqs)  # (the cap without a budget; with one, `DEFAULT`'s)
     hybrid, ceiling = hybrid_params(page_size=page_size), ceiling_params(page_size=page_size)
     row_bytes, page_bytes = state_row_bytes(hybrid), pool_page_bytes(hybrid)
     rows: list[dict[str, Any]] = []
     per_workload: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     traces = {w: make_trace(w, num_requests, seed) for w in workloads}
-    plan = {w: budgets(t, fractions, max_num_seqs, caps[0], page_size) for w, t in traces.items()}
+    plan = {w: budgets(t, fractions, max_num_seqs, page_size) for w, t in traces.items()}
     planned = sum(len(b) for b in plan.values()) * (3 + len(peers) + len(caps)) + len(workloads)
     done = 0
 
@@ -177,8 +174,7 @@ def run_state_prefix(
             for peer in peers:
                 rows.extend(_peer(peer, workload, budget, trace, config, skipped))
                 tick(f"{workload} @ {budget / GiB:.2f} GiB: {peer}")
-            budget_default = default_state_checkpoints(max_num_seqs, budget, row_bytes)
-            for c, name in [*((c, _pagedkv(c)) for c in caps), (budget_default, DEFAULT)]:
+            for c, name in [*((c, _pagedkv(c)) for c in caps), (None, DEFAULT)]:
                 params = hybrid_params(page_size=page_size, max_state_checkpoints=c, eviction_policy=eviction)
                 extra = {
                     "checkpoints": c,
@@ -192,7 +188,7 @@ def run_state_prefix(
                 if pages < longest:  # the rows leave no room for the longest request's pages
                     rows.append({"workload": workload, "budget_bytes": budget, "manager": name, "fits": False,
                                  "pages": pages, **extra})  # fmt: skip
-                    tick(f"{workload} @ {budget / GiB:.2f} GiB: {name} (C={c}) does not fit")
+                    tick(f"{workload} @ {budget / GiB:.2f} GiB: {name} does not fit")
                     continue
                 adapter = StateCheckpointAdapter(name, params, pages, max_num_seqs)
                 try:
@@ -200,24 +196,25 @@ def run_state_prefix(
                 except StallError as exc:
                     rows.append({"workload": workload, "budget_bytes": budget, "manager": name, "fits": True,
                                  "stalled": str(exc), "pages": pages, **extra})  # fmt: skip
-                    tick(f"{workload} @ {budget / GiB:.2f} GiB: {name} (C={c}) stalled")
+                    tick(f"{workload} @ {budget / GiB:.2f} GiB: {name} stalled")
                     continue
                 adapter.coord.check_integrity()
                 states = adapter.states
                 rows.append(_row(workload, budget, res, pages=pages, checkpoint_hits=states.num_hits,
-                                 checkpoints_saved=states.num_saved, checkpoint_evictions=states.rows.num_evictions,
+                                 checkpoints_saved=states.num_saved, checkpoint_evictions=states.num_dropped,
+                                 checkpoints_kept=len(states),
                                  state_copies=adapter.state_copies, tail_copies=adapter.tail_copies,
                                  cut_chunks=adapter.cut_chunks, **extra))  # fmt: skip
-                tick(f"{workload} @ {budget / GiB:.2f} GiB: {name} (C={c}) {res.hit_rate:.4f}")
+                tick(f"{workload} @ {budget / GiB:.2f} GiB: {name} {res.hit_rate:.4f}")
     vllm_block = None
     if VLLM in peers and VLLM not in skipped:
         vllm_block = VllmHybridAdapter.bytes_per_block()
     return {
         "rows": rows, "workloads": per_workload, "skipped": skipped,
         "bytes": {"state_row": row_bytes, "hybrid_page": page_bytes, "ceiling_page": ceiling.bytes_per_block,
-                  "vllm_block": vllm_block},
+                  "vllm_block": vllm_block, "checkpoint_pages": checkpoint_pages(hybrid)},
         "config": {"workloads": list(workloads), "num_requests": num_requests, "fractions": list(fractions),
-                   "checkpoints": caps, "default_checkpoints": default, "max_num_seqs": max_num_seqs,
+                   "checkpoints": caps, "default_checkpoints": None, "max_num_seqs": max_num_seqs,
                    "max_num_batched_tokens": max_num_batched_tokens, "page_size": page_size, "seed": seed,
                    "eviction": eviction,
                    "shape": dataclasses.asdict(QWEN35)},
@@ -346,7 +343,8 @@ def format_markdown(result: dict[str, Any]) -> str:
         body.append([w, f"{b / GiB:.2f}", pages(cell.get(CEILING)), *([pages(cell.get(VLLM))] if has_vllm else []),
                      *[pages(cell.get(m)) for _, m in cols]])  # fmt: skip
     lines += report.table(head, body)
-    lines += ["", "### pagedkv's checkpoints: saved / restored (first admissions and re-admissions) / evicted", ""]
+    title = "### pagedkv's checkpoints: saved / restored (first admissions and re-admissions) / evicted (kept)"
+    lines += ["", title, ""]
     body = []
     for w, b in _order(result):
         cell = table[(w, b)]
@@ -354,23 +352,20 @@ def format_markdown(result: dict[str, Any]) -> str:
         def counts(row: dict[str, Any] | None) -> str:
             if row is None or not _ran(row):
                 return _hit(row)
-            return f"{row['checkpoints_saved']} / {row['checkpoint_hits']} / {row['checkpoint_evictions']}"
+            kept = row.get("checkpoints_kept", "-")
+            return f"{row['checkpoints_saved']} / {row['checkpoint_hits']} / {row['checkpoint_evictions']} ({kept})"
 
-        default = cell.get(DEFAULT)
-        body.append([w, f"{b / GiB:.2f}", str(default["checkpoints"]) if default else "-",
-                     *[counts(cell.get(m)) for _, m in cols]])  # fmt: skip
-    lines += report.table(["workload", "budget GiB", "default C", *[f"pagedkv {x}" for x in labels]], body)
+        body.append([w, f"{b / GiB:.2f}", *[counts(cell.get(m)) for _, m in cols]])
+    lines += report.table(["workload", "budget GiB", *[f"pagedkv {x}" for x in labels]], body)
     row, page, ceil = sizes["state_row"], sizes["hybrid_page"], sizes["ceiling_page"]
-    lines += ["", f"### State rows: {row:,} B each (= {row / page:.2f} hybrid attention pages of {page:,} B, "
-              f"{row / ceil:.2f} ceiling pages of {ceil:,} B)", ""]  # fmt: skip
-    body = [[f"{c}", f"{s} + {c}", f"{(s + c) * row / GiB:.2f}",
-             f"{c * row / GiB:.2f}", f"{c * row / page:.0f}", f"{c * row / ceil:.0f}"] for c in caps]  # fmt: skip
-    lines += report.table(("C", "rows (live + checkpoints)", "rows GiB", "checkpoints GiB",
-                           "checkpoints in hybrid pages", "checkpoints in ceiling pages"), body)  # fmt: skip
+    run = sizes.get("checkpoint_pages") or -(-row // page)
+    lines += ["", f"State row (live state, and a checkpoint's content): {row:,} B = {row / page:.2f} hybrid attention "
+              f"pages of {page:,} B ({row / ceil:.2f} ceiling pages of {ceil:,} B); a checkpoint takes a run of {run} "
+              f"pages ({run * page:,} B); S = {s} live rows take {s * row / GiB:.2f} GiB of every budget."]  # fmt: skip
     v = verdict(result)
     lines += [
         "",
-        f"Target for {v['manager']} (the default: max_state_checkpoints unset, a third of what live rows leave): "
+        f"Target for {v['manager']} (the default: max_state_checkpoints unset): "
         ">= 90% of the ceiling in every cell: "
         + ("met" if not v["below_90pct_of_ceiling"] else "missed at " + ", ".join(v["below_90pct_of_ceiling"])),
     ]
