@@ -27,9 +27,7 @@ loaded from `pagedkv.integrations.sglang` only when SGLang asks for the class).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -43,31 +41,17 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
 )
 
 from pagedkv.integrations.sglang.host_pages import HostPages
+from pagedkv.integrations.sglang.keys import namespace, page_key
 from pagedkv.integrations.sglang.settings import StorageSettings
 from pagedkv.offload.format import layout_fingerprint
 from pagedkv.offload.tier import LowerTier
 
-__all__ = ["FORMAT_TAG", "PagedKVStorage", "page_key"]
+__all__ = ["FORMAT_TAG", "PagedKVStorage"]
 
 FORMAT_TAG = "pagedkv-sglang-hicache-1"  # part of every fingerprint: bump when what a page holds changes
 HASH_ALGO = "sha256"  # SGLang's page keys are SHA-256 digests
 _T = TypeVar("_T")
 log = logging.getLogger("pagedkv.integrations.sglang")
-
-
-def page_key(key: str) -> bytes:
-    """The 32-byte content hash of SGLang page key `key`: its digest for a 64-hex key, else the SHA-256
-    of the key's text (sidecar or test keys), so every key fits the page header."""
-    if len(key) == 64:
-        with contextlib.suppress(ValueError):
-            return bytes.fromhex(key)
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
-
-
-def _namespace(config: Any) -> str:
-    model = re.sub(r"[^A-Za-z0-9._-]", "-", "-".join((config.model_name or "model").split("/"))).lstrip(".") or "model"
-    pp = f"_{config.pp_size}_{config.pp_rank}" if config.pp_size > 1 else ""
-    return f"{model}_{config.tp_rank}_{config.tp_size}{pp}"
 
 
 def _ignore(i: int) -> None:
@@ -86,7 +70,7 @@ class PagedKVStorage(HiCacheStorage):  # type: ignore[misc]
     def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
         self.settings = StorageSettings.from_extra_config(storage_config.extra_config)
         self.storage_config = storage_config
-        self.namespace = _namespace(storage_config)
+        self.namespace = namespace(storage_config)
         self.model_id = storage_config.model_name or ""
         self.config = self.settings.connector_config(self.model_id, self.namespace)
         if self.settings.medium == "redis":
