@@ -38,6 +38,7 @@ def sglang() -> SimpleNamespace:
             warnings.simplefilter("ignore")
             from sglang.srt.mem_cache import hicache_storage
             from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+            from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
             from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
             from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
             from sglang.srt.mem_cache.utils import get_hash_str
@@ -49,6 +50,7 @@ def sglang() -> SimpleNamespace:
     _SGLANG.append(SimpleNamespace(
         storage=hicache_storage, DevicePool=MHATokenToKVPool, HostPool=MHATokenToKVPoolHost,
         Factory=StorageBackendFactory, get_hash_str=get_hash_str, StorageMetrics=StorageMetrics,
+        budget=host_memory_budget_scope,
     ))  # fmt: skip
     return _SGLANG[0]
 
@@ -57,8 +59,9 @@ def host_pool(layout: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -
     """A real `MHATokenToKVPoolHost` (CPU, not pinned) in `layout`, every byte seeded-random."""
     s = sglang()
     device = s.DevicePool(64, PAGE, dtype, HEADS, HEAD_DIM, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS)
-    pool = s.HostPool(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout, pin_memory=False,
-                      device="cpu", device_capacity_tokens=device.size, start_layer=0, end_layer=LAYERS)  # fmt: skip
+    with s.budget(1 << 20):  # SGLang keeps 10 GB of the machine free unless the pool's budget is booked
+        pool = s.HostPool(device.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, layout, pin_memory=False,
+                          device="cpu", device_capacity_tokens=device.size, start_layer=0, end_layer=LAYERS)  # fmt: skip
     assert pool.page_num == HOST_PAGES
     raw = pool.kv_buffer.view(torch.uint8)
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
