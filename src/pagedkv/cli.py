@@ -33,6 +33,7 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
     "hybrid": BenchCommand("pagedkv.bench.hybrid_bench", "KV bytes, prefix hit rate and decode cost of mixed-attention models"),
     "state": BenchCommand("pagedkv.bench.state_bench", "KV + state bytes of a Qwen3.5-shaped hybrid; engine decode vs transformers generate"),
     "tiers": BenchCommand("pagedkv.bench.tiers_bench", "tier offload / load throughput vs the raw medium; TTFT from a warm tier"),
+    "hicache": BenchCommand("pagedkv.bench.hicache_bench", "SGLang HiCache storage backend (pagedkv.integrations.sglang) on Redis and a directory vs the raw medium and SGLang's HiCacheFile (needs SGLang)"),
     "compare": BenchCommand("pagedkv.bench.compare.run", "pagedkv vs vLLM and SGLang cache managers and the Belady bound, on five workloads over a capacity sweep"),
     "state-prefix": BenchCommand("pagedkv.bench.compare.state_prefix", "prefix hit rate of a Qwen3.5-shaped hybrid (state checkpoints) vs vLLM align mode and the all-attention ceiling, at equal bytes"),
     "soak": BenchCommand("pagedkv.bench.soak", "engine soak over every tier: RSS, leaks, tokens"),

@@ -16,7 +16,21 @@ from urllib.parse import urlsplit
 
 from pagedkv.validation import check_int
 
-__all__ = ["KVConnectorConfig"]
+__all__ = ["KVConnectorConfig", "cluster_node"]
+
+
+def cluster_node(node: object) -> tuple[str, int]:
+    """``"host:port"`` (``"[v6 address]:port"``) as (host, port); ValueError / TypeError naming it otherwise."""
+    if not isinstance(node, str):
+        raise TypeError(f"redis cluster node {node!r} must be a 'host:port' str")
+    parts = urlsplit(f"//{node}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None or not 0 < port < 65536 or parts.path or parts.username:
+        raise ValueError(f"redis cluster node {node!r} must be 'host:port' with a port in 1..65535")
+    return parts.hostname, port
 
 
 def _check_positive(name: str, value: object, allow_none: bool = False) -> None:
@@ -62,6 +76,8 @@ class KVConnectorConfig:
             (``rediss+cluster://`` for TLS) uses a Redis Cluster: the URL names one
             startup node, the client discovers the others, and the pages spread over
             every primary (database 0 only).
+        redis_cluster_nodes: more startup nodes of a cluster URL (``"host:port"`` each): the
+            client tries the URL's node, then these, until one answers, and discovers the rest.
         redis_username / redis_password: ACL user and password (override the URL's).
         redis_key_prefix: prepended to every key (namespaces a shared server).
         redis_ssl_ca_certs / redis_ssl_certfile / redis_ssl_keyfile: TLS files.
@@ -84,6 +100,7 @@ class KVConnectorConfig:
     disk_offload_dir: str | None = None
     disk_offload_max_gb: float = 50.0
     redis_url: str | None = None
+    redis_cluster_nodes: tuple[str, ...] = ()
     redis_username: str | None = None
     redis_password: str | None = field(default=None, repr=False)
     redis_key_prefix: str = "pagedkv:"
@@ -115,6 +132,13 @@ class KVConnectorConfig:
         if self.redis_url is not None and urlsplit(self.redis_url).scheme not in schemes:
             raise ValueError(f"redis_url={self.redis_url!r} must start with redis://, rediss://, unix://, "
                              "redis+cluster:// or rediss+cluster://")  # fmt: skip
+        object.__setattr__(self, "redis_cluster_nodes", tuple(self.redis_cluster_nodes))
+        for node in self.redis_cluster_nodes:
+            cluster_node(node)
+        cluster = urlsplit(self.redis_url or "").scheme in ("redis+cluster", "rediss+cluster")
+        if self.redis_cluster_nodes and not cluster:
+            raise ValueError(f"redis_cluster_nodes={list(self.redis_cluster_nodes)!r} need a redis+cluster:// or "
+                             f"rediss+cluster:// redis_url, not {self.redis_url!r}")  # fmt: skip
 
     @property
     def mac_key(self) -> bytes | None:

@@ -28,8 +28,16 @@ from pathlib import Path
 
 from pagedkv.core.events import BlockRemoved, EventSink
 from pagedkv.core.tier_stats import TierStats
-from pagedkv.offload.format import HEADER_SIZE, PageHeader, check_page, decode_header, encode_header
-from pagedkv.offload.tier import Done, LowerTier, OnceLogger
+from pagedkv.offload.format import (
+    HEADER_SIZE,
+    PageHeader,
+    check_header,
+    check_page,
+    decode_header,
+    encode_header,
+    payload_parts,
+)
+from pagedkv.offload.tier import Done, LowerTier, OnceLogger, Row
 
 __all__ = ["DiskTier"]
 
@@ -124,7 +132,7 @@ class DiskTier(LowerTier):
         return len(self._index)
 
     # ----------------------------------------------------------------- reads
-    def fetch(self, keys: Sequence[bytes], dest: Sequence[memoryview]) -> int:
+    def fetch(self, keys: Sequence[bytes], dest: Sequence[Row]) -> int:
         """Up to `threads` readers (the calling thread one of them) take every `threads`-th page, in
         order; a miss or refusal at page i stops every reader at i (pages before it are all read)."""
         total = len(keys)
@@ -164,7 +172,41 @@ class DiskTier(LowerTier):
         """One `stat` per key (another process sharing the directory may have written it)."""
         return [os.path.isfile(self._file(key)) for key in keys]
 
-    def _read(self, key: bytes, view: memoryview) -> bool:
+    def probe(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: the file is there, its size is one page and its header passes `check_header`; a
+        page that fails is refused (counted, logged once, deleted). One open and a 112-byte read each."""
+        found = []
+        for key in keys:
+            path = self._file(key)
+            try:
+                fd = os.open(path, _READ)
+            except FileNotFoundError:
+                found.append(False)
+                continue
+            except OSError as exc:
+                found.append(False if exc.errno != errno.ELOOP else self._refuse(key, path, "a symbolic link"))
+                continue
+            try:
+                raw, size = os.pread(fd, HEADER_SIZE, 0), os.fstat(fd).st_size
+            except OSError as exc:
+                found.append(self._read_failed(path, exc))
+                continue
+            finally:
+                os.close(fd)
+            reason = check_header(decode_header(raw), key, self.fingerprint, self.hash_algo, self.row_bytes,
+                                  self.mac_key, size)  # fmt: skip
+            found.append(True if reason is None else self._refuse(key, path, reason))
+        return found
+
+    def _refuse(self, key: bytes, path: str, reason: str) -> bool:
+        """Count, log (once) and delete a refused page; False."""
+        self.stats.add(refused=1)
+        self._log.error("refused", f"disk tier: refused {path}: {reason}; the page is recomputed")
+        self._delete([key])
+        return False
+
+    def _read(self, key: bytes, row: Row) -> bool:
+        parts = payload_parts(row)
         path = self._file(key)
         header = bytearray(HEADER_SIZE)
         try:
@@ -178,19 +220,17 @@ class DiskTier(LowerTier):
                 return self._read_failed(path, exc)
             decoded, got = None, 0  # a symbolic link planted at a page's name: refused and removed below
         else:
-            decoded, got = self._read_fd(fd, header, view)
-        reason = check_page(decoded, view[:got], key, self.fingerprint, self.hash_algo, self.row_bytes, self.mac_key)
+            decoded, got = self._read_fd(fd, header, parts)
+        payload = parts if got == self.row_bytes else _head(parts, got)
+        reason = check_page(decoded, payload, key, self.fingerprint, self.hash_algo, self.row_bytes, self.mac_key)
         if reason is None and got == self.row_bytes:
             return True
-        self.stats.add(refused=1)
-        self._log.error("refused", f"disk tier: refused {path}: {reason or 'short file'}; the page is recomputed")
-        self._delete([key])
-        return False
+        return self._refuse(key, path, reason or "short file")
 
-    def _read_fd(self, fd: int, header: bytearray, view: memoryview) -> tuple[PageHeader | None, int]:
+    def _read_fd(self, fd: int, header: bytearray, parts: list[memoryview]) -> tuple[PageHeader | None, int]:
         """(header, payload bytes read) of an open page file; closes `fd`."""
         try:
-            got = _read_all(fd, [header, view]) - HEADER_SIZE  # one preadv for header and row
+            got = _read_all(fd, [header, *parts]) - HEADER_SIZE  # one preadv for header and row
         except OSError as exc:
             self.stats.add(errors=1)
             self._log.error("read", f"disk tier: reading a page failed ({exc}); the page is recomputed")
@@ -205,7 +245,7 @@ class DiskTier(LowerTier):
         return False
 
     # ----------------------------------------------------------------- writes
-    def store(self, keys: Sequence[bytes], rows: Sequence[memoryview], done: Done) -> None:
+    def store(self, keys: Sequence[bytes], rows: Sequence[Row], done: Done) -> None:
         """The pages not stored nor being written go to up to `threads` jobs (every `threads`-th page
         each): one task per job, not per page, so small pages do not pay a thread handoff each."""
         if len(keys) != len(rows):
@@ -234,11 +274,11 @@ class DiskTier(LowerTier):
             self._inflight.add(future)
             future.add_done_callback(self._inflight.discard)
 
-    def _write_job(self, keys: list[bytes], rows: list[memoryview], index: list[int], done: Done) -> None:
+    def _write_job(self, keys: list[bytes], rows: list[Row], index: list[int], done: Done) -> None:
         for key, row, i in zip(keys, rows, index, strict=True):
             self._write(key, row, i, done)
 
-    def _write(self, key: bytes, row: memoryview, i: int, done: Done) -> None:
+    def _write(self, key: bytes, row: Row, i: int, done: Done) -> None:
         path = self._file(key)
         tmp = f"{path[:-5]}.{threading.get_ident()}.tmp"
         start = time.perf_counter()
@@ -255,7 +295,7 @@ class DiskTier(LowerTier):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 fd = os.open(tmp, _CREATE, 0o644)
             try:
-                _write_all(fd, [header, row])  # one writev for header and row
+                _write_all(fd, [header, *payload_parts(row)])  # one writev for header and row
             finally:
                 os.close(fd)
             os.replace(tmp, path)
@@ -312,6 +352,16 @@ class DiskTier(LowerTier):
     def shutdown(self) -> None:
         self.wait()
         self._pool.shutdown(wait=True)
+
+
+def _head(parts: list[memoryview], nbytes: int) -> list[memoryview]:
+    """The first `nbytes` of `parts`, as views."""
+    out = []
+    for part in parts:
+        take = min(len(part), nbytes)
+        out.append(part[:take])
+        nbytes -= take
+    return out
 
 
 def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:

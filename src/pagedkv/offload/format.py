@@ -15,7 +15,10 @@
     100     12    zero
 
 All integers little-endian. The payload is the page's row: every cache's,
-every TP shard's values then scales, as `PageMover` lays it out. No pickle:
+every TP shard's values then scales, as `PageMover` lays it out. A writer
+whose row is not one buffer (an SGLang host page's K and V halves) passes
+it as parts (a list or tuple of bytes-like objects, in order): the checksum,
+HMAC and stored bytes are those of the parts' concatenation. No pickle:
 a reader checks every field and the tag before a byte reaches the KV cache
 (`check_page`), and refuses the page otherwise.
 
@@ -42,12 +45,15 @@ from typing import Any
 __all__ = [
     "HEADER_SIZE",
     "PageHeader",
+    "check_header",
     "check_page",
     "checksum",
     "encode_header",
     "key_bytes",
     "layout_fingerprint",
     "mac",
+    "payload_nbytes",
+    "payload_parts",
 ]
 
 MAGIC = b"PKVP"
@@ -68,18 +74,59 @@ def _xxh3_64() -> Callable[[Any], int] | None:
     return xxhash.xxh3_64_intdigest  # type: ignore[no-any-return]
 
 
+def _xxh3_64_state() -> Callable[[], Any] | None:
+    try:
+        import xxhash
+    except ImportError:  # pragma: no cover - the [tiers] extra installs it
+        return None
+    return xxhash.xxh3_64  # type: ignore[no-any-return]
+
+
 _XXH3 = _xxh3_64()
+_XXH3_STATE = _xxh3_64_state()
 DEFAULT_CHECKSUM = XXH3_64 if _XXH3 is not None else CRC32
 
 
+def _byte_view(part: Any) -> memoryview:
+    view = part if isinstance(part, memoryview) else memoryview(part)
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+def payload_parts(payload: Any) -> list[memoryview]:
+    """The flat byte views of `payload`: one bytes-like object, or a list / tuple of them (its parts,
+    in order). Nothing is copied; a part must be C-contiguous."""
+    if isinstance(payload, list | tuple):
+        return [_byte_view(part) for part in payload]
+    return [_byte_view(payload)]
+
+
+def payload_nbytes(payload: Any) -> int:
+    """Bytes of `payload` (one bytes-like object, or the sum of its parts)."""
+    if isinstance(payload, list | tuple):
+        return sum(memoryview(part).nbytes for part in payload)
+    return memoryview(payload).nbytes
+
+
 def checksum(payload: Any, algo: int = DEFAULT_CHECKSUM) -> int:
-    """Checksum of a bytes-like `payload`: xxh3_64 (with the xxhash package) or crc32."""
+    """Checksum of `payload` (bytes-like, or a list / tuple of parts checksummed as their concatenation):
+    xxh3_64 (with the xxhash package) or crc32."""
+    parts = isinstance(payload, list | tuple)
     if algo == XXH3_64:
-        if _XXH3 is None:
+        if _XXH3 is None or _XXH3_STATE is None:
             raise ValueError("this page's checksum is xxh3_64, which needs the xxhash package")
-        return _XXH3(payload)
+        if not parts:
+            return _XXH3(payload)
+        state = _XXH3_STATE()
+        for part in payload:
+            state.update(part)
+        return int(state.intdigest())
     if algo == CRC32:
-        return zlib.crc32(payload)
+        if not parts:
+            return zlib.crc32(payload)
+        crc = 0
+        for part in payload:
+            crc = zlib.crc32(part, crc)
+        return crc
     raise ValueError(f"unknown checksum algorithm id {algo}")
 
 
@@ -117,17 +164,19 @@ class PageHeader:
 
 
 def mac(mac_key: bytes, signed_part: bytes, payload: Any) -> bytes:
-    """HMAC-SHA256 of a header's signed part followed by the payload."""
+    """HMAC-SHA256 of a header's signed part followed by the payload (or its parts, in order)."""
     h = hmac.new(mac_key, signed_part, hashlib.sha256)
-    h.update(payload)
+    for part in payload if isinstance(payload, list | tuple) else (payload,):
+        h.update(part)
     return h.digest()
 
 
 def encode_header(key: bytes, payload: Any, fingerprint: bytes, hash_algo: str, mac_key: bytes | None = None) -> bytes:
-    """The header of `payload` (bytes-like) stored under `key`: checksummed, or signed with `mac_key`."""
+    """The header of `payload` (bytes-like, or a list / tuple of parts) stored under `key`: checksummed,
+    or signed with `mac_key`."""
     if len(key) > 32 or len(fingerprint) != 16:
         raise ValueError(f"key of {len(key)} bytes (max 32) or fingerprint of {len(fingerprint)} (must be 16)")
-    length = memoryview(payload).nbytes
+    length = payload_nbytes(payload)
     algo = DEFAULT_CHECKSUM if mac_key is None else HMAC_SHA256
     fields = (MAGIC, VERSION, HASH_ALGO_IDS[hash_algo], algo, len(key), fingerprint, key, length)
     if mac_key is None:
@@ -147,12 +196,7 @@ def decode_header(raw: bytes | memoryview) -> PageHeader | None:
     return PageHeader(version, algo, check, fingerprint, bytes(key[:key_len]), length, tag, signed)
 
 
-def check_page(
-    header: PageHeader | None, payload: Any, key: bytes, fingerprint: bytes, hash_algo: str, row_bytes: int,
-    mac_key: bytes | None = None,
-) -> str | None:  # fmt: skip
-    """None when `payload` is the valid page `key` of this layout (signed with `mac_key` when one is
-    given); otherwise why it is refused."""
+def _check_fields(header: PageHeader | None, key: bytes, fingerprint: bytes, hash_algo: str) -> str | None:
     if header is None:
         return "not a pagedkv page (bad magic or truncated header)"
     if header.version != VERSION:
@@ -163,10 +207,45 @@ def check_page(
         return "layout fingerprint differs (another model, dtype, page size, head count or TP degree)"
     if header.key != key:
         return "stored under another content hash"
-    if header.payload_length != row_bytes or memoryview(payload).nbytes != row_bytes:
-        return (
-            f"payload of {memoryview(payload).nbytes} bytes (header says {header.payload_length}), expected {row_bytes}"
-        )
+    return None
+
+
+def check_header(
+    header: PageHeader | None, key: bytes, fingerprint: bytes, hash_algo: str, row_bytes: int,
+    mac_key: bytes | None = None, stored_bytes: int | None = None,
+) -> str | None:  # fmt: skip
+    """None when `header` may be the valid page `key` of this layout: every field `check_page` checks
+    but the payload's tag (magic, version, hash algorithm, fingerprint, key, payload length, and that
+    the page is signed exactly when `mac_key` is given); with `stored_bytes` (the stored page's size,
+    header included), that it is not truncated nor padded. Otherwise why the page is refused. Reads
+    no payload: a page that passes may still fail `check_page`."""
+    reason = _check_fields(header, key, fingerprint, hash_algo)
+    if reason is not None or header is None:
+        return reason
+    if header.payload_length != row_bytes:
+        return f"header says a payload of {header.payload_length} bytes, expected {row_bytes}"
+    if stored_bytes is not None and stored_bytes != HEADER_SIZE + row_bytes:
+        return f"stored page of {stored_bytes} bytes, expected {HEADER_SIZE + row_bytes} (truncated or padded)"
+    signed = header.checksum_algo == HMAC_SHA256
+    if mac_key is not None and not signed:
+        return "the page is not signed and this tier requires an HMAC (tier_hmac_key)"
+    if mac_key is None and signed:
+        return "the page is signed (HMAC) and this reader has no tier_hmac_key to check it"
+    return None
+
+
+def check_page(
+    header: PageHeader | None, payload: Any, key: bytes, fingerprint: bytes, hash_algo: str, row_bytes: int,
+    mac_key: bytes | None = None,
+) -> str | None:  # fmt: skip
+    """None when `payload` (bytes-like, or a list / tuple of parts) is the valid page `key` of this
+    layout (signed with `mac_key` when one is given); otherwise why it is refused."""
+    reason = _check_fields(header, key, fingerprint, hash_algo)
+    if reason is not None or header is None:
+        return reason
+    nbytes = payload_nbytes(payload)
+    if header.payload_length != row_bytes or nbytes != row_bytes:
+        return f"payload of {nbytes} bytes (header says {header.payload_length}), expected {row_bytes}"
     if mac_key is not None or header.checksum_algo == HMAC_SHA256:
         return _check_mac(header, payload, mac_key)
     try:

@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from pagedkv.connector_config import KVConnectorConfig
+from pagedkv.connector_config import KVConnectorConfig, cluster_node
 
 __all__ = ["CLUSTER_SCHEMES", "client_factory", "import_redis", "is_cluster", "redis_client", "unlink_prefix", "where"]
 
@@ -78,15 +78,17 @@ def client_factory(config: KVConnectorConfig) -> partial[Any]:
     timeouts: dict[str, float] = {"socket_timeout": config.redis_timeout_s}
     if scheme != "unix":
         timeouts["socket_connect_timeout"] = config.redis_timeout_s
-    options = dict(username=user, password=password, retry=Retry(NoBackoff(), 0), **timeouts, **ssl)
+    options: dict[str, Any] = dict(username=user, password=password, retry=Retry(NoBackoff(), 0), **timeouts, **ssl)
     if parts.scheme not in CLUSTER_SCHEMES:
         return partial(redis.Redis.from_url, url, **options)
     if parts.path.strip("/") not in ("", "0"):
         raise ValueError(f"redis_url={parts.scheme}://...{parts.path}: a Redis Cluster has only database 0")
-    from redis.cluster import RedisCluster
+    from redis.cluster import ClusterNode, RedisCluster
     from redis.connection import parse_url
 
     parse_url(url)  # a malformed URL fails here, not at the first use
+    if config.redis_cluster_nodes:  # more startup nodes, tried after the URL's
+        options["startup_nodes"] = [ClusterNode(*cluster_node(node)) for node in config.redis_cluster_nodes]
     return partial(RedisCluster.from_url, url, **options)
 
 

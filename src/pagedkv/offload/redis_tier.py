@@ -42,9 +42,16 @@ from typing import Any
 from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.events import BlockRemoved, EventSink
 from pagedkv.core.tier_stats import TierStats
-from pagedkv.offload.format import HEADER_SIZE, check_page, decode_header, encode_header
+from pagedkv.offload.format import (
+    HEADER_SIZE,
+    check_header,
+    check_page,
+    decode_header,
+    encode_header,
+    payload_parts,
+)
 from pagedkv.offload.redis_client import client_factory, import_redis, is_cluster, redis_client, unlink_prefix, where
-from pagedkv.offload.tier import Done, LowerTier, OnceLogger
+from pagedkv.offload.tier import Done, LowerTier, OnceLogger, Row
 
 __all__ = ["FETCH_CHUNK_BYTES", "RedisTier", "redis_client"]
 
@@ -130,7 +137,7 @@ class RedisTier(LowerTier):
             self._log.recovered("down", f"redis tier: {self._where} answers again; pages are shared again")
 
     # ----------------------------------------------------------------- reads
-    def fetch(self, keys: Sequence[bytes], dest: Sequence[memoryview]) -> int:
+    def fetch(self, keys: Sequence[bytes], dest: Sequence[Row]) -> int:
         if len(keys) != len(dest):
             raise ValueError(f"{len(keys)} keys but {len(dest)} destination rows")
         if not keys or not self.available:
@@ -168,14 +175,51 @@ class RedisTier(LowerTier):
         self._succeeded(started)
         return found
 
-    def _accept(self, key: bytes, name: str, value: bytes, view: memoryview) -> bool:
-        """Copy `value`'s row into `view` if it is the valid page `key`; otherwise refuse and delete it."""
+    def probe(self, keys: Sequence[bytes]) -> list[bool]:
+        """One pipelined GETRANGE (the header) + STRLEN per key (per node for a cluster): True where the
+        page is there, one page long, with a header `check_header` accepts; a page that fails is
+        refused (counted, logged once, deleted). All False while the tier is skipped or on an error."""
+        if not keys or not self.available:
+            return [False] * len(keys)
+        started = time.monotonic()
+        names = [self.key(k) for k in keys]
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                for name in names:
+                    pipe.getrange(name, 0, HEADER_SIZE - 1)
+                    pipe.strlen(name)
+                replies = pipe.execute()
+            found = []
+            for i, key in enumerate(keys):
+                head, size = replies[2 * i], replies[2 * i + 1]
+                if not size:
+                    found.append(False)
+                    continue
+                reason = check_header(decode_header(head), key, self.fingerprint, self.hash_algo, self.row_bytes,
+                                      self.config.mac_key, size)  # fmt: skip
+                found.append(reason is None or self._refuse(key, names[i], reason))
+        except self._errors as exc:
+            self._failed("lookup", exc)
+            return [False] * len(keys)
+        self._succeeded(started)
+        return found
+
+    def _accept(self, key: bytes, name: str, value: bytes, row: Row) -> bool:
+        """Copy `value`'s row into `row` (a view, or its parts) if it is the valid page `key`; otherwise
+        refuse and delete it."""
         payload = memoryview(value)[HEADER_SIZE:]
         reason = check_page(decode_header(value), payload, key, self.fingerprint, self.hash_algo, self.row_bytes,
                             self.config.mac_key)  # fmt: skip
         if reason is None:
-            view.cast("B")[:] = payload
+            at = 0
+            for part in payload_parts(row):
+                part[:] = payload[at : at + len(part)]
+                at += len(part)
             return True
+        return self._refuse(key, name, reason)
+
+    def _refuse(self, key: bytes, name: str, reason: str) -> bool:
+        """Count, log (once) and delete a refused value; False."""
         self.stats.add(refused=1)
         self._log.error("refused", f"redis tier: refused {name}: {reason}; it is deleted and the page recomputed")
         self.client.unlink(name)
@@ -184,7 +228,7 @@ class RedisTier(LowerTier):
         return False
 
     # ----------------------------------------------------------------- writes
-    def store(self, keys: Sequence[bytes], rows: Sequence[memoryview], done: Done) -> None:
+    def store(self, keys: Sequence[bytes], rows: Sequence[Row], done: Done) -> None:
         if len(keys) != len(rows):
             raise ValueError(f"{len(keys)} keys but {len(rows)} rows")
         if not self.available:
@@ -207,7 +251,7 @@ class RedisTier(LowerTier):
             self._inflight.add(future)
             future.add_done_callback(self._inflight.discard)
 
-    def _write(self, keys: list[bytes], rows: list[memoryview], index: list[int], done: Done) -> None:
+    def _write(self, keys: list[bytes], rows: list[Row], index: list[int], done: Done) -> None:
         """One pipelined EXISTS, then SET NX (EX ttl) of the missing pages; `done` once rows are copied."""
         started = time.monotonic()
         pending = list(index)  # rows whose `done` is not called yet
@@ -222,7 +266,8 @@ class RedisTier(LowerTier):
                 for name in names:
                     pipe.exists(name)
                 present = pipe.execute()
-            values = {name: b"".join((encode_header(key, row, self.fingerprint, self.hash_algo, mac_key), row))
+            values = {name: b"".join((encode_header(key, row, self.fingerprint, self.hash_algo, mac_key),
+                                      *payload_parts(row)))
                       for key, row, name, there in zip(keys, rows, names, present, strict=True) if not there}  # fmt: skip
             for i in pending:
                 done(i)  # every row is copied (or not needed): the caller may reuse it

@@ -1,7 +1,9 @@
 """`LowerTier`: the contract of a tier below host memory (disk, Redis) that stores pages by content hash.
 
 A lower tier stores each page as `offload.format` header + row bytes, under
-its content hash, and checks both on the way back. It never raises into
+its content hash, and checks both on the way back. A row is one writable
+byte view, or a list / tuple of views (its parts, in order: an SGLang host
+page's K and V halves) that the tier reads from and writes into in place. It never raises into
 the caller for an I/O problem: it counts it (`stats.errors`), logs it once,
 and reports a miss, so the engine recomputes instead of failing.
 """
@@ -14,9 +16,10 @@ from collections.abc import Callable, Sequence
 
 from pagedkv.core.tier_stats import TierStats
 
-__all__ = ["LowerTier", "OnceLogger"]
+__all__ = ["LowerTier", "OnceLogger", "Row"]
 
 Done = Callable[[int], None]
+Row = memoryview | list[memoryview] | tuple[memoryview, ...]  # one page's bytes: one view, or its parts
 
 
 class OnceLogger:
@@ -46,7 +49,7 @@ class LowerTier(ABC):
     stats: TierStats
 
     @abstractmethod
-    def fetch(self, keys: Sequence[bytes], dest: Sequence[memoryview]) -> int:
+    def fetch(self, keys: Sequence[bytes], dest: Sequence[Row]) -> int:
         """Read the pages of the longest prefix of `keys` the tier holds into `dest` (one writable
         row view per key), checking header and checksum; stop at the first missing or refused page.
         Returns how many leading rows of `dest` hold valid pages."""
@@ -56,8 +59,15 @@ class LowerTier(ABC):
         """Whether the tier holds each page (no bytes read, nothing checked: a page that is there may
         still be refused by `fetch`). False for every key while the tier is unreachable."""
 
+    def probe(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each page is there with a header that `fetch` would accept (`format.check_header`:
+        layout, key, length, signed or not; the payload is not read, so its tag is not checked).
+        Tiers that can read a header cheaply refuse (and count, and delete) a page that fails;
+        this default is `contains`."""
+        return self.contains(keys)
+
     @abstractmethod
-    def store(self, keys: Sequence[bytes], rows: Sequence[memoryview], done: Done) -> None:
+    def store(self, keys: Sequence[bytes], rows: Sequence[Row], done: Done) -> None:
         """Write each row under its key, in the background; pages already stored are skipped.
         ``done(i)`` is called once row i is no longer read (written, skipped or failed)."""
 
