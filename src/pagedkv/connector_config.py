@@ -45,6 +45,18 @@ def _mac_key(key: object) -> bytes | None:
     return bytes(key)
 
 
+def _cluster_nodes(nodes: object, url: str | None) -> tuple[str, ...]:
+    if not isinstance(nodes, list | tuple) or not all(isinstance(n, str) for n in nodes):
+        raise TypeError(f"redis_cluster_nodes={nodes!r} must be a tuple of 'host:port' strings")
+    for node in nodes:
+        host, _, port = node.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"redis_cluster_nodes: {node!r} must be host:port with a port in [1, 65535]")
+    if nodes and (url is None or not urlsplit(url).scheme.endswith("+cluster")):
+        raise ValueError("redis_cluster_nodes needs a redis+cluster:// or rediss+cluster:// redis_url")
+    return tuple(nodes)
+
+
 @dataclass(frozen=True)
 class KVConnectorConfig:
     """Settings of the disk and Redis tiers (the host tier is sized by `host_kvcache_swap_space_gb`).
@@ -62,6 +74,9 @@ class KVConnectorConfig:
             (``rediss+cluster://`` for TLS) uses a Redis Cluster: the URL names one
             startup node, the client discovers the others, and the pages spread over
             every primary (database 0 only).
+        redis_cluster_nodes: more startup nodes of that cluster, ``("host:port", ...)``: the client
+            tries each until one answers (the URL's node too), so a cluster whose URL node is
+            down is still found. Only with a ``redis+cluster://`` URL.
         redis_username / redis_password: ACL user and password (override the URL's).
         redis_key_prefix: prepended to every key (namespaces a shared server).
         redis_ssl_ca_certs / redis_ssl_certfile / redis_ssl_keyfile: TLS files.
@@ -95,6 +110,7 @@ class KVConnectorConfig:
     redis_retry_s: float = 5.0
     io_threads: int = 4
     tier_hmac_key: bytes | str | None = field(default=None, repr=False)
+    redis_cluster_nodes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tier_hmac_key", _mac_key(self.tier_hmac_key))
@@ -115,6 +131,7 @@ class KVConnectorConfig:
         if self.redis_url is not None and urlsplit(self.redis_url).scheme not in schemes:
             raise ValueError(f"redis_url={self.redis_url!r} must start with redis://, rediss://, unix://, "
                              "redis+cluster:// or rediss+cluster://")  # fmt: skip
+        object.__setattr__(self, "redis_cluster_nodes", _cluster_nodes(self.redis_cluster_nodes, self.redis_url))
 
     @property
     def mac_key(self) -> bytes | None:

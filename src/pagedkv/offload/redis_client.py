@@ -83,10 +83,14 @@ def client_factory(config: KVConnectorConfig) -> partial[Any]:
         return partial(redis.Redis.from_url, url, **options)
     if parts.path.strip("/") not in ("", "0"):
         raise ValueError(f"redis_url={parts.scheme}://...{parts.path}: a Redis Cluster has only database 0")
-    from redis.cluster import RedisCluster
+    from redis.cluster import ClusterNode, RedisCluster
     from redis.connection import parse_url
 
     parse_url(url)  # a malformed URL fails here, not at the first use
+    if config.redis_cluster_nodes:  # more startup nodes (redis-py adds the URL's): it tries each in turn
+        url_node = (parts.hostname, parts.port or 6379)
+        nodes = [(h, int(p)) for h, _, p in (n.rpartition(":") for n in config.redis_cluster_nodes)]
+        options["startup_nodes"] = [ClusterNode(h, p) for h, p in dict.fromkeys(nodes) if (h, p) != url_node]
     return partial(RedisCluster.from_url, url, **options)
 
 
