@@ -141,10 +141,13 @@ class Engine:
                     view[blocks[pos // BLOCK], :, pos % BLOCK] = token_kv(tokens, pos, layer, view.shape[1],
                                                                          view.shape[3])  # fmt: skip
 
-    def step(self) -> Any:
-        """One engine step, in the order of vLLM's model runner (kv_connector_model_runner_mixin)."""
+    def step(self, before_worker: Any = None) -> Any:
+        """One engine step, in the order of vLLM's model runner (kv_connector_model_runner_mixin);
+        `before_worker()` runs between the scheduler's step and the worker's."""
         v, s, w = self.v, self.scheduler, self.worker
         out = s.schedule()
+        if before_worker is not None:
+            before_worker()
         w.bind_connector_metadata(out.kv_connector_metadata)
         if out.has_sync_kv_loads:
             w.start_load_kv(None)
