@@ -32,7 +32,7 @@ LAYERS = {
     "pagedkv.dtype": 0, "pagedkv.validation": 0, "pagedkv.records": 0, "pagedkv.symbols": 0, "pagedkv.params": 0, "pagedkv.deployment_seed": 0, "pagedkv.multi_params": 0, "pagedkv.interface": 0, "pagedkv.specs": 0, "pagedkv.state_params": 0, "pagedkv.connector_config": 0,
     "pagedkv.core": 1, "pagedkv.runtime": 2, "pagedkv.manager": 2, "pagedkv.ops": 3, "pagedkv.offload": 2, "pagedkv.observability": 3,
     "pagedkv.ops.page_copy": 2,  # a buffer op the manager applies (imports nothing from pagedkv)
-    "pagedkv.engine": 4, "pagedkv.testing": 5, "pagedkv.bench": 5, "pagedkv.demo": 5, "pagedkv.tier_demo": 5, "pagedkv.manager_demo": 5, "pagedkv.hf": 4, "pagedkv.cli": 6, "pagedkv": 6,
+    "pagedkv.engine": 4, "pagedkv.integrations": 5, "pagedkv.testing": 5, "pagedkv.bench": 5, "pagedkv.demo": 5, "pagedkv.tier_demo": 5, "pagedkv.manager_demo": 5, "pagedkv.hf": 4, "pagedkv.cli": 6, "pagedkv": 6,
 }  # fmt: skip
 # The seed API puts `allocate_buffers` on the params; it is the one call that reaches up (lazily).
 ALLOWED_UPWARD = {

@@ -290,3 +290,20 @@ def test_block_rows_are_vllms_logical_blocks_in_every_layout(model: str, tmp_pat
         assert torch.equal(v[[2, 3, 8]], old[[5, 1, 7]])
         assert torch.equal(v[[0, 1, 4, 5, 6, 7]], old[[0, 1, 4, 5, 6, 7]])  # nothing else written
     engine.close()
+
+
+def test_redis_cluster_by_its_startup_nodes(model: str, tmp_path: Path) -> None:
+    from redis_cluster import RedisCluster
+    from redis_server import free_port
+
+    with RedisCluster.running(tmp_path) as cluster:
+        dead = f"127.0.0.1:{free_port()}"  # the first node named is down: the client tries the next ones
+        extra = {"redis_cluster_nodes": [dead, *(f"127.0.0.1:{p}" for p in cluster.ports)], "redis_timeout_s": 0.5}
+        _fill(model, extra)
+        b = Engine.build(model, extra)
+        b.add("b0", PROMPT)
+        b.run()
+        assert b.log[0]["loads"] == [("b0", 3, False)] and b.log[0]["computed"] == {"b0": 48}
+        assert torch.equal(b.kv_of("b0", PROMPT), expected_kv(PROMPT))
+        assert sum(len(c.keys("pagedkv:*")) for c in cluster.clients()) == 3  # spread over the primaries
+        b.close()

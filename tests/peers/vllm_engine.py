@@ -112,7 +112,9 @@ class Engine:
                                       dtype=torch.bfloat16)  # fmt: skip
         groups = [v.kv.KVCacheGroupSpec(list(LAYERS), spec)]
         kvc = v.planning.get_kv_cache_config_from_groups(vc, groups, spec.page_size_bytes * len(LAYERS) * num_blocks)
-        caches = v.worker_utils.allocate_kv_cache(kvc, torch.device("cpu"), vc.cache_config.get_resolved_kv_cache_layout())
+        caches = v.worker_utils.allocate_kv_cache(
+            kvc, torch.device("cpu"), vc.cache_config.get_resolved_kv_cache_layout()
+        )
         scheduler = v.scheduler.Scheduler(vllm_config=vc, kv_cache_config=kvc, block_size=BLOCK, hash_block_size=BLOCK,
                                           structured_output_manager=v.StructuredOutputManager(vc))  # fmt: skip
         worker = v.factory.KVConnectorFactory.create_connector(vc, v.base.KVConnectorRole.WORKER, kvc)

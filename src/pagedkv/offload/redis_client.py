@@ -78,7 +78,7 @@ def client_factory(config: KVConnectorConfig) -> partial[Any]:
     timeouts: dict[str, float] = {"socket_timeout": config.redis_timeout_s}
     if scheme != "unix":
         timeouts["socket_connect_timeout"] = config.redis_timeout_s
-    options = dict(username=user, password=password, retry=Retry(NoBackoff(), 0), **timeouts, **ssl)
+    options: dict[str, Any] = dict(username=user, password=password, retry=Retry(NoBackoff(), 0), **timeouts, **ssl)
     if parts.scheme not in CLUSTER_SCHEMES:
         return partial(redis.Redis.from_url, url, **options)
     if parts.path.strip("/") not in ("", "0"):
