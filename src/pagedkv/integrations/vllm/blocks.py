@@ -65,6 +65,7 @@ class BlockMover:
         self.row_bytes = len(self.layers) * self.layer_bytes
         self.device = self.layers[0].device
         self.stacked = _stacked(self.layers)  # uint8 [B, L, H, N, C] or None
+        self.dense = all(v[0].is_contiguous() for v in self.layers)  # each layer's block is one run of bytes
 
     @property
     def cuda(self) -> bool:
@@ -95,8 +96,13 @@ class BlockMover:
         src = rows.view(len(block_ids), *self.block_shape)  # [n, L, H, N, C]
         if self.cuda:  # pragma: no cover - needs a GPU
             src = src.to(self.device, non_blocking=True)
-        if self.stacked is not None:
-            self.stacked.index_copy_(0, index, src)
+        if self.dense and not self.cuda:  # a memcpy per (layer, block): faster than a strided index_copy_
+            for layer, view in enumerate(self.layers):
+                part = src[:, layer]  # [n, H, N, C]
+                for i, block in enumerate(block_ids):
+                    view[block].copy_(part[i])
+        elif self.stacked is not None:
+            self.stacked[index] = src  # index_put_: faster than index_copy_ on a strided view
         else:
             for layer, view in enumerate(self.layers):
                 view.index_copy_(0, index, src[:, layer])

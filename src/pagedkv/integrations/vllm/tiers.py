@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -52,16 +51,37 @@ class TierSet:
         self.pin_memory = pin_memory
         self._pending = 0  # staging bytes handed to the tiers and not released yet
         self._cond = threading.Condition()
+        self._free: list[torch.Tensor] = []  # save staging buffers whose writes are done, for reuse
+        self._local = threading.local()  # each loading thread's staging buffer
 
     @property
     def stats(self) -> dict[str, TierStats]:
         """Each tier's counters by name ("disk", "redis")."""
         return {tier.stats.name: tier.stats for tier in self.tiers}
 
-    def _staging(self, n: int) -> tuple[torch.Tensor, list[memoryview]]:
+    def _new(self, n: int) -> torch.Tensor:
         rows = torch.empty((n, self.row_bytes), dtype=torch.uint8, pin_memory=self.pin_memory)  # [n, row]
+        rows.fill_(0)  # fault the pages in now, once: a reused buffer's copies then run at memcpy speed
+        return rows
+
+    def _views(self, rows: torch.Tensor, n: int) -> list[memoryview]:
         array = rows.numpy()
-        return rows, [memoryview(array[i]) for i in range(n)]
+        return [memoryview(array[i]) for i in range(n)]
+
+    def _load_staging(self, n: int) -> torch.Tensor:
+        """This thread's load buffer, grown to `n` rows (kept: the next load reuses it)."""
+        rows: torch.Tensor | None = getattr(self._local, "rows", None)
+        if rows is None or rows.shape[0] < n:
+            rows = self._local.rows = self._new(n)
+        return rows
+
+    def _save_staging(self, n: int) -> torch.Tensor:
+        """A free save buffer of at least `n` rows (reused once its writes are done), else a new one."""
+        with self._cond:
+            for i, rows in enumerate(self._free):
+                if rows.shape[0] >= n:
+                    return self._free.pop(i)
+        return self._new(n)
 
     # ----------------------------------------------------------------- reads
     def leading_hits(self, keys: Sequence[bytes]) -> int:
@@ -85,7 +105,8 @@ class TierSet:
             raise ValueError(f"{len(keys)} keys but {len(block_ids)} block ids")
         if not keys:
             return 0
-        rows, views = self._staging(len(keys))
+        rows = self._load_staging(len(keys))
+        views = self._views(rows, len(keys))
         found = 0
         progress = True
         while found < len(keys) and progress:
@@ -116,27 +137,30 @@ class TierSet:
             self.wait()  # back pressure: the tiers write slower than the engine computes
         with self._cond:
             self._pending += size
-        rows, views = self._staging(len(keys))
+        rows = self._save_staging(len(keys))
         try:
-            mover.gather(block_ids, rows)
+            mover.gather(block_ids, rows[: len(keys)])
         except BaseException:
-            self._release(size)
+            self._release(size, rows)
             raise
+        views = self._views(rows, len(keys))
         remaining = [len(self.tiers) * len(keys)]  # `done` calls still to come
 
-        def done(i: int, keep: Any = rows) -> None:  # `rows` lives until every tier read every row
+        def done(i: int) -> None:  # `rows` goes back to the pool once every tier read every row
             with self._cond:
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if last:
-                self._release(size)
+                self._release(size, rows)
 
         for tier in self.tiers:
             tier.store(keys, views, done)
 
-    def _release(self, size: int) -> None:
+    def _release(self, size: int, rows: torch.Tensor) -> None:
         with self._cond:
             self._pending -= size
+            if sum(r.numel() for r in self._free) + rows.numel() <= self.max_pending_bytes:
+                self._free.append(rows)  # kept for the next save (at most max_pending_bytes of them)
             self._cond.notify_all()
 
     def wait(self) -> None:
