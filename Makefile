@@ -48,7 +48,7 @@ $(PEERS_STAMP): requirements/peers-cpu.txt pyproject.toml
 		$(PEERS_BIN)/pip install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
 	$(PEERS_BIN)/pip install --no-deps -r requirements/peers-cpu.txt
 	$(PEERS_BIN)/pip install --no-deps -e .
-	$(PEERS_BIN)/pip install numpy xxhash hypothesis pytest matplotlib redis
+	$(PEERS_BIN)/pip install numpy xxhash hypothesis pytest matplotlib redis einops
 	$(PEERS_BIN)/python -c "import torch, transformers; assert torch.__version__ == '2.13.0+cpu', torch.__version__; assert transformers.__version__ == '5.20.2', transformers.__version__"
 	touch $(PEERS_STAMP)
 

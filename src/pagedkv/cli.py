@@ -34,6 +34,7 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
     "state": BenchCommand("pagedkv.bench.state_bench", "KV + state bytes of a Qwen3.5-shaped hybrid; engine decode vs transformers generate"),
     "tiers": BenchCommand("pagedkv.bench.tiers_bench", "tier offload / load throughput vs the raw medium; TTFT from a warm tier"),
     "hicache": BenchCommand("pagedkv.bench.hicache_bench", "SGLang HiCache storage backend (pagedkv.integrations.sglang) on Redis and a directory vs the raw medium and SGLang's HiCacheFile (needs SGLang)"),
+    "connector": BenchCommand("pagedkv.bench.connector_bench", "vLLM KV connector: blocks/s saved and loaded through its worker side vs the raw medium (needs vLLM)"),
     "compare": BenchCommand("pagedkv.bench.compare.run", "pagedkv vs vLLM and SGLang cache managers and the Belady bound, on five workloads over a capacity sweep"),
     "state-prefix": BenchCommand("pagedkv.bench.compare.state_prefix", "prefix hit rate of a Qwen3.5-shaped hybrid (state checkpoints) vs vLLM align mode and the all-attention ceiling, at equal bytes"),
     "soak": BenchCommand("pagedkv.bench.soak", "engine soak over every tier: RSS, leaks, tokens"),

@@ -1,0 +1,174 @@
+"""`TierSet`: the disk and / or Redis tier of one layout fingerprint, read and written by vLLM block.
+
+The tiers are pagedkv's own (`pagedkv.offload.disk.DiskTier`,
+`pagedkv.offload.redis_tier.RedisTier`): the checked page format, HMAC
+signatures, one file per page or one Redis value per page, and their outage
+rules (an I/O error is counted and logged once, and reads as a miss, never an
+exception). With both tiers a page is read from the disk first, then Redis, and
+written to both.
+
+Saves: `save` gathers the blocks into a host staging tensor (synchronously: the
+blocks may be reused as soon as it returns), then hands the rows to the tiers,
+whose threads write them in the background; the staging tensor lives until the
+last tier is done with it. At most `max_pending_bytes` of rows wait for their
+writes; a save beyond that first waits for the tiers (back pressure).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from pagedkv.connector_config import KVConnectorConfig
+from pagedkv.core.tier_stats import TierStats
+from pagedkv.integrations.vllm.blocks import BlockMover
+from pagedkv.offload.tier import LowerTier
+
+__all__ = ["TierSet"]
+
+
+class TierSet:
+    """The lower tiers of `config` for pages of `row_bytes` under `fingerprint`. Thread-safe."""
+
+    def __init__(
+        self, config: KVConnectorConfig, row_bytes: int, fingerprint: bytes, hash_algo: str, *,
+        max_pending_bytes: int = 2**31, pin_memory: bool = False,
+    ) -> None:  # fmt: skip
+        self.row_bytes = row_bytes
+        self.tiers: list[LowerTier] = []
+        if config.disk_offload_dir is not None:
+            from pagedkv.offload.disk import DiskTier
+
+            self.tiers.append(DiskTier(config.disk_offload_dir, row_bytes, config.disk_max_bytes, fingerprint,
+                                       hash_algo, threads=config.io_threads, mac_key=config.mac_key))  # fmt: skip
+        if config.redis_url is not None:
+            from pagedkv.offload.redis_tier import RedisTier
+
+            self.tiers.append(RedisTier(config, row_bytes, fingerprint, hash_algo))
+        self.max_pending_bytes = max(row_bytes, max_pending_bytes)
+        self.pin_memory = pin_memory
+        self._pending = 0  # staging bytes handed to the tiers and not released yet
+        self._cond = threading.Condition()
+        self._free: list[torch.Tensor] = []  # save staging buffers whose writes are done, for reuse
+        self._local = threading.local()  # each loading thread's staging buffer
+
+    @property
+    def stats(self) -> dict[str, TierStats]:
+        """Each tier's counters by name ("disk", "redis")."""
+        return {tier.stats.name: tier.stats for tier in self.tiers}
+
+    def _new(self, n: int) -> torch.Tensor:
+        rows = torch.empty((n, self.row_bytes), dtype=torch.uint8, pin_memory=self.pin_memory)  # [n, row]
+        rows.fill_(0)  # fault the pages in now, once: a reused buffer's copies then run at memcpy speed
+        return rows
+
+    def _views(self, rows: torch.Tensor, n: int) -> list[memoryview]:
+        array = rows.numpy()
+        return [memoryview(array[i]) for i in range(n)]
+
+    def _load_staging(self, n: int) -> torch.Tensor:
+        """This thread's load buffer, grown to `n` rows (kept: the next load reuses it)."""
+        rows: torch.Tensor | None = getattr(self._local, "rows", None)
+        if rows is None or rows.shape[0] < n:
+            rows = self._local.rows = self._new(n)
+        return rows
+
+    def _save_staging(self, n: int) -> torch.Tensor:
+        """A free save buffer of at least `n` rows (reused once its writes are done), else a new one."""
+        with self._cond:
+            for i, rows in enumerate(self._free):
+                if rows.shape[0] >= n:
+                    return self._free.pop(i)
+        return self._new(n)
+
+    # ----------------------------------------------------------------- reads
+    def leading_hits(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` some tier holds (no bytes read: a page counted here may still be
+        missing or refused at load time, which the load then reports). 0 while every tier is down."""
+        found = [False] * len(keys)
+        for tier in self.tiers:
+            rest = [i for i, there in enumerate(found) if not there]
+            if not rest:
+                break
+            for i, there in zip(rest, tier.contains([keys[i] for i in rest]), strict=True):
+                found[i] = there
+        return next((i for i, there in enumerate(found) if not there), len(found))
+
+    def load(self, keys: Sequence[bytes], block_ids: Sequence[int], mover: BlockMover) -> int:
+        """Read the pages of the longest prefix of `keys` the tiers hold, checked (header, layout,
+        checksum or HMAC), and copy them into blocks `block_ids[:count]`; returns that count.
+        Each tier is asked for the rest whenever another stops, so a prefix split over the disk
+        and Redis loads whole. Never raises for a missing, refused or unreachable page."""
+        if len(keys) != len(block_ids):
+            raise ValueError(f"{len(keys)} keys but {len(block_ids)} block ids")
+        if not keys:
+            return 0
+        rows = self._load_staging(len(keys))
+        views = self._views(rows, len(keys))
+        found = 0
+        progress = True
+        while found < len(keys) and progress:
+            progress = False
+            for tier in self.tiers:
+                got = tier.fetch(keys[found:], views[found:])
+                tier.stats.add(lookups=len(keys) - found, pages_loaded=got, bytes_loaded=got * self.row_bytes)
+                found += got
+                progress = progress or got > 0
+                if found == len(keys):
+                    break
+        if found:
+            mover.scatter(rows[:found], block_ids[:found])
+        return found
+
+    # ----------------------------------------------------------------- writes
+    def save(self, keys: Sequence[bytes], block_ids: Sequence[int], mover: BlockMover) -> None:
+        """Copy blocks `block_ids` into staging rows now, and have every tier store them under `keys`
+        in the background (`wait` waits for the writes). Pages a tier holds already are skipped."""
+        if len(keys) != len(block_ids):
+            raise ValueError(f"{len(keys)} keys but {len(block_ids)} block ids")
+        if not keys or not self.tiers:
+            return
+        size = len(keys) * self.row_bytes
+        with self._cond:
+            over = self._pending > 0 and self._pending + size > self.max_pending_bytes
+        if over:
+            self.wait()  # back pressure: the tiers write slower than the engine computes
+        with self._cond:
+            self._pending += size
+        rows = self._save_staging(len(keys))
+        try:
+            mover.gather(block_ids, rows[: len(keys)])
+        except BaseException:
+            self._release(size, rows)
+            raise
+        views = self._views(rows, len(keys))
+        remaining = [len(self.tiers) * len(keys)]  # `done` calls still to come
+
+        def done(i: int) -> None:  # `rows` goes back to the pool once every tier read every row
+            with self._cond:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                self._release(size, rows)
+
+        for tier in self.tiers:
+            tier.store(keys, views, done)
+
+    def _release(self, size: int, rows: torch.Tensor) -> None:
+        with self._cond:
+            self._pending -= size
+            if sum(r.numel() for r in self._free) + rows.numel() <= self.max_pending_bytes:
+                self._free.append(rows)  # kept for the next save (at most max_pending_bytes of them)
+            self._cond.notify_all()
+
+    def wait(self) -> None:
+        """Block until every write issued so far has finished (or failed and been counted)."""
+        for tier in self.tiers:
+            tier.wait()
+
+    def shutdown(self) -> None:
+        """Finish pending writes; release threads and connections."""
+        for tier in self.tiers:
+            tier.shutdown()
