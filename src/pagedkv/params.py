@@ -212,8 +212,8 @@ class KVCacheParams(KVCacheParamInterface):
     weights_version: str | None = None  # folded into every hash chain's root (`set_weights_version` changes it live)
     nonfinite_kv: str = "pass"  # NaN/inf in stored KV: "pass" (stored as is) or "reject" (ValueError, nothing stored)
     max_state_checkpoints: int | None = (
-        None  # recurrent-state checkpoints kept for prefix hits: with attention pages, a cap on how many (None:
-        # as many as the pages hold, each a run of pages); a model of state layers only keeps this many extra
+        None  # recurrent-state checkpoints kept for prefix hits: with attention pages, a cap on how many runs
+        # of pages they take (None: 2 per batch slot); a model of state layers only keeps this many extra
         # state rows (None: a third of what live rows leave of a byte budget, else 2 per batch slot)
     )
 

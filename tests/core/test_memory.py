@@ -119,6 +119,7 @@ def test_a_budget_pays_the_live_rows_then_buys_pages_that_checkpoints_share() ->
     assert memory.num_state_rows(params, 4, budget) == 4 == memory.num_state_rows(params, 4)
     assert memory.compute_num_device_blocks(params, budget, max_batch_size=4) == 100
     assert memory.with_budget_checkpoints(params, budget, 4) is params  # (no share of the budget to set)
+    assert memory.run_checkpoint_cap(params, 4) == 8 and memory.run_checkpoint_cap(_state_tree(cap=3), 4) == 3
     assert memory.checkpoint_pages(_state_tree(caching=False)) == 0  # no checkpoint without caching
     with pytest.raises(InsufficientBlocksError, match="cannot hold the 5 state rows"):
         memory.compute_num_device_blocks(params, 5 * row - 1, max_batch_size=5)

@@ -34,6 +34,7 @@ __all__ = [
     "state_row_bytes",
     "num_state_rows",
     "checkpoint_pages",
+    "run_checkpoint_cap",
     "default_state_checkpoints",
     "with_budget_checkpoints",
     "compute_num_device_blocks",
@@ -95,6 +96,17 @@ def checkpoint_pages(params: KVCacheParamInterface) -> int:
     if not row or not page or not params.enable_prefix_caching:
         return 0
     return -(-row // page)
+
+
+RUNS_PER_SLOT = 2  # checkpoints in runs kept when no cap is set, per batch slot
+
+
+def run_checkpoint_cap(params: KVCacheParamInterface, max_batch_size: int) -> int:
+    """How many checkpoints in runs of attention pages a replica keeps: `max_state_checkpoints`, or two per
+    batch slot when it is None (a running request's two most recent; they take no memory of their own, the
+    cap only stops unshared checkpoints from crowding out the pages that hits need)."""
+    cap = params.max_state_checkpoints
+    return RUNS_PER_SLOT * max_batch_size if cap is None else cap
 
 
 CHECKPOINT_SHARE = 3  # with a byte budget and no cap set, checkpoints take a third of what live rows leave

@@ -70,7 +70,7 @@ def make_block_manager(
 ) -> ReplicaBookkeeping:
     """A `BlockManager` (all full attention) or a `KVCacheCoordinator` with one group per cache (state
     caches get `memory.num_state_rows(params, max_batch_size)` state rows; their checkpoints take runs of
-    `memory.checkpoint_pages(params)` attention pages, at most `max_state_checkpoints`).
+    `memory.checkpoint_pages(params)` attention pages, at most `memory.run_checkpoint_cap`).
 
     ValueError for ``enable_partial_page_reuse`` or ``commit_on_alloc`` on a hybrid model (the coordinator
     does not support them)."""
@@ -93,7 +93,7 @@ def make_block_manager(
     group_names(params)  # validates the shape of the tree
     groups = [manager_for(g, leaf.kv_cache_spec) for g, leaf in enumerate(params.leaves())]
     rows, run = memory.num_state_rows(params, max_batch_size), memory.checkpoint_pages(params)
-    cap = params.max_state_checkpoints if run else None
+    cap = memory.run_checkpoint_cap(params, max_batch_size) if run else None
     coordinator = KVCacheCoordinator(total_num_pages, params.page_size, groups, num_state_rows=rows,
                                      checkpoint_pages=run, max_state_checkpoints=cap, **kwargs)  # fmt: skip
     coordinator.hasher.set_version(params.weights_version)

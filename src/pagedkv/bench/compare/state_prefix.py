@@ -7,8 +7,8 @@ replays through the compare driver (`sim.simulate`, `max_num_seqs` = S) at a few
   pages, 24 gated-delta-net layers in state rows): the budget pays S live rows first (51,511,296 B each),
   the rest buys attention pages (`memory.compute_num_device_blocks`), and state checkpoints take runs of
   those pages (99 pages each, `memory.checkpoint_pages`): one byte budget, one eviction policy. Its default
-  (``pagedkv``: ``KVCacheParams.max_state_checkpoints`` unset, no cap) and caps C on how many checkpoints
-  are kept (multiples of S). A budget whose rows leave fewer pages than the longest request needs is
+  (``pagedkv``: ``KVCacheParams.max_state_checkpoints`` unset, two per batch slot) and other caps C on how
+  many checkpoints are kept (multiples of S). A budget whose rows leave fewer pages than the longest request needs is
   reported as "does not fit"; a run in which a request is refused with nothing else running (checkpoint
   tails that cannot give their pages back: `pagedkv_hybrid.StallError`) as "stalled", where the engine's
   scheduler would drop that request with `InsufficientBlocksError`.
@@ -72,17 +72,22 @@ __all__ = [
 
 WORKLOADS = ("zipf", "multiturn", "fewshot", "docqa")
 FRACTIONS = (0.1, 0.2, 0.4, 1.0)
-CHECKPOINT_MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # checkpoint caps C, in multiples of S
+CHECKPOINT_MULTIPLES = (0.5, 1.0, 4.0)  # checkpoint caps C besides the default (2 per slot), in multiples of S
+NO_CAP = 2**31 - 1  # a cap no run reaches: checkpoints as many as the pages hold (always swept)
 MAX_NUM_SEQS = 32
 CEILING, CEILING_STEP, VLLM = "ceiling", "ceiling-step", "vllm-hybrid"
-DEFAULT = "pagedkv"  # pagedkv with max_state_checkpoints=None: as many checkpoints as the pages hold
+DEFAULT = "pagedkv"  # pagedkv with max_state_checkpoints=None: two checkpoints per batch slot
 MiB, GiB = 1 << 20, 1 << 30
 
 Progress = Callable[[int, int, str], None]
 
 
 def _pagedkv(c: int) -> str:
-    return f"pagedkv-c{c}"
+    return "pagedkv-nocap" if c == NO_CAP else f"pagedkv-c{c}"
+
+
+def _label(c: int) -> str:
+    return "no cap" if c == NO_CAP else f"C={c}"
 
 
 def budgets(trace: list[TraceRequest], fractions: Sequence[float], max_num_seqs: int, page_size: int = 16) -> list[int]:
@@ -135,7 +140,7 @@ def run_state_prefix(
 ) -> dict[str, Any]:
     """Run the sweep; returns {"rows", "workloads", "bytes", "skipped", "config"} (see `format_markdown`)."""
     config = SimConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    caps = sorted({max(1, round(m * max_num_seqs)) for m in checkpoint_multiples})
+    caps = sorted({max(1, round(m * max_num_seqs)) for m in checkpoint_multiples} | {NO_CAP})
     hybrid, ceiling = hybrid_params(page_size=page_size), ceiling_params(page_size=page_size)
     row_bytes, page_bytes = state_row_bytes(hybrid), pool_page_bytes(hybrid)
     rows: list[dict[str, Any]] = []
@@ -296,7 +301,7 @@ def format_markdown(result: dict[str, Any]) -> str:
     """Hit rates, ratios to the ceiling, what each budget buys, and the checkpoint bytes."""
     cfg, table, sizes = result["config"], _cells(result), result["bytes"]
     caps, s = cfg["checkpoints"], cfg["max_num_seqs"]
-    cols = [(DEFAULT, DEFAULT), *((f"C={c}", _pagedkv(c)) for c in caps)]  # (label, manager)
+    cols = [(DEFAULT, DEFAULT), *((_label(c), _pagedkv(c)) for c in caps)]  # (label, manager)
     labels = [label for label, _ in cols]
     has_vllm = any(VLLM in c for c in table.values())
     peers = [VLLM] if has_vllm else []
@@ -417,7 +422,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--checkpoints",
         default=",".join(map(str, CHECKPOINT_MULTIPLES)),
-        help="pagedkv's checkpoint caps C, as multiples of S (2 is the default max_state_checkpoints)",
+        help="pagedkv's checkpoint caps C besides the default (2 per slot), as multiples of S (no cap is always run)",
     )
     p.add_argument("--peers", default=VLLM, help="peer managers to load ('' for none)")
     p.add_argument(
