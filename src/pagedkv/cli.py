@@ -25,6 +25,7 @@ class BenchCommand:
 
 # The `pagedkv bench` subcommands: a new benchmark is registered here, in one line.
 BENCH_COMMANDS: dict[str, BenchCommand] = {
+    "headline": BenchCommand("pagedkv.bench.headline", "the README's headline figures, rendered from docs/figures/*.json (--write, --check)", tables=False),
     "manager": BenchCommand("pagedkv.bench.manager_bench", "bookkeeping cost of PagedKVCacheManager on a shared-prefix chat trace"),
     "attention": BenchCommand("pagedkv.bench.attention_bench", "paged decode attention vs contiguous SDPA (CPU; GPU rows with CUDA)"),
     "triton": BenchCommand("pagedkv.bench.triton_bench", "Triton paged decode bandwidth vs a device copy (CUDA only)", tables=False),
