@@ -11,6 +11,7 @@ request's first allocation succeeds (`unexpect`), and is keyed again after a wei
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.context import RequestID, TextContext
@@ -20,6 +21,7 @@ from pagedkv.core.tables import RequestPages, more_keys
 __all__ = ["QueueWants"]
 
 _NO_REQUEST = RequestPages()  # (no hashes yet: `more_keys` reads a waiting context's keys from its memo)
+_REQUEST_ID = attrgetter("request_id")
 
 
 class QueueWants:
@@ -33,6 +35,8 @@ class QueueWants:
         # more keys a waiting context wants besides its prefix pages (its state checkpoint's run: see
         # `KVCacheCoordinator`), from the context and its prefix keys
         self.extra: Callable[[TextContext, list[BlockHash]], list[BlockHash]] | None = None
+        self._last: tuple[list[RequestID], str | None] | None = None  # the last call's queue and weights version
+        self._keyed: object = object()  # the weights version every entry was last checked under
 
     def __bool__(self) -> bool:
         return bool(self.entries)
@@ -40,13 +44,20 @@ class QueueWants:
     def expect(self, contexts: Sequence[TextContext], started: Callable[[TextContext], bool]) -> int:
         """Want the prefixes of `contexts` (the waiting queue's head, in order), skipping those `started`
         says are admitted or resumed already; returns how many were newly expected. TypeError for a
-        non-`TextContext`, before anything changes."""
+        non-`TextContext`, before anything changes. The same queue as the last call, under the same weights
+        version, changes nothing and costs one comparison (the scheduler tells it every step)."""
+        if not set(map(type, contexts)) <= {TextContext}:
+            bad = next(c for c in contexts if type(c) is not TextContext)
+            raise TypeError(f"contexts holds {type(bad).__name__}, expected TextContext")
+        queue = (list(map(_REQUEST_ID, contexts)), self.hasher.version)
+        if queue == self._last:
+            return 0
+        rekey = queue[1] != self._keyed  # (roots change with the weights version only)
+        self._last, self._keyed = queue, queue[1]
         entries, added = self.entries, 0
         after: list[float | None] = [None] * len(contexts)  # the ticket of the next known context behind each
         known: float | None = None
         for i in range(len(contexts) - 1, -1, -1):
-            if type(contexts[i]) is not TextContext:
-                raise TypeError(f"contexts holds {type(contexts[i]).__name__}, expected TextContext")
             after[i] = known
             entry = entries.get(contexts[i].request_id)
             known = entry[1] if entry is not None else known
@@ -54,7 +65,7 @@ class QueueWants:
         for ctx, nxt in zip(contexts, after, strict=True):
             rid = ctx.request_id
             entry = entries.get(rid)
-            if entry is not None and entry[2] != self.hasher.root(ctx.cache_salt):  # keyed under other weights
+            if rekey and entry is not None and entry[2] != self.hasher.root(ctx.cache_salt):  # under other weights
                 self.unexpect(rid)
                 self._want(ctx, entry[1])
                 entry = entries[rid]
@@ -82,5 +93,7 @@ class QueueWants:
     def unexpect(self, request_id: RequestID) -> None:
         """End the want recorded for `request_id` (no-op when there is none)."""
         entry = self.entries.pop(request_id, None)
+        if entry is not None:
+            self._last = None  # (the next call looks at every context again)
         if entry is not None and entry[0]:
             self.pool.want(entry[0], entry[1], -1)
