@@ -264,6 +264,11 @@ class ZmqEventPublisher:
         return self._subscriptions
 
     @property
+    def next_seq(self) -> int:
+        """The sequence number the next batch will get (= batches numbered so far)."""
+        return self._next_seq
+
+    @property
     def queued(self) -> int:
         """Batches waiting for the publisher thread."""
         return self._queue.qsize()
