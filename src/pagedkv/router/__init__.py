@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from pagedkv.router.hashers import BlockHasher, PagedKVHasher, VLLMHasher
 from pagedkv.router.index import EngineSpec, PrefixIndex
+from pagedkv.router.policy import Decision, EngineLoad, Router, RouterPolicy, RouterStats
 from pagedkv.router.state import StreamStats
 
-__all__ = ["BlockHasher", "EngineSpec", "PagedKVHasher", "PrefixIndex", "StreamStats", "VLLMHasher"]
+__all__ = [
+    "BlockHasher", "Decision", "EngineLoad", "EngineSpec", "PagedKVHasher", "PrefixIndex", "Router", "RouterPolicy",
+    "RouterStats", "StreamStats", "VLLMHasher",
+]  # fmt: skip
