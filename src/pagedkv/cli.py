@@ -40,6 +40,7 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
     "state-prefix": BenchCommand("pagedkv.bench.compare.state_prefix", "prefix hit rate of a Qwen3.5-shaped hybrid (state checkpoints) vs vLLM align mode and the all-attention ceiling, at equal bytes"),
     "soak": BenchCommand("pagedkv.bench.soak", "engine soak over every tier: RSS, leaks, tokens"),
     "faults": BenchCommand("pagedkv.bench.faults", "Redis killed, disk full, corrupt / truncated pages, slow Redis while engines serve"),
+    "router": BenchCommand("pagedkv.bench.router_bench", "KV-aware routing vs round-robin vs random over 4 engine processes: fleet hit rate, TTFT; decision latency", tables=False),
     "step-calls": BenchCommand("pagedkv.bench.step_calls", "pagedkv calls per layer per decode step of a tiny Llama (one-pass check)"),
 }  # fmt: skip
 

@@ -179,3 +179,22 @@ def test_router_imports_stay_lazy() -> None:
             "assert not bad, bad\n")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_fixed_loopback_port_is_bound_when_asked() -> None:
+    """vLLM's rule connects ``tcp://127.0.0.1:PORT``; ``bind=True`` binds it (`pagedkv engine --events-port`)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", topic="kv", bind=True)
+    index = PrefixIndex([EngineSpec("e", f"tcp://127.0.0.1:{port}", HASHER, None, "kv")])
+    try:
+        assert pub.endpoint == f"tcp://127.0.0.1:{port}" and pub.wait_for_subscribers(1)
+        pub(ev.KVEventBatch(0, time.time(), [ev.BlockStored(KEYS[:2], None, [], 4)]))
+        wait_for(lambda: index.next_seq("e") == 1)
+        assert score(index) == 8
+    finally:
+        index.close()
+        pub.close()

@@ -215,7 +215,7 @@ def main(args: argparse.Namespace) -> int:
                                total_num_host_pages=args.host_pages, max_num_batched_tokens=args.max_batched_tokens,
                                **tier)  # fmt: skip
     pub = ZmqEventPublisher(f"tcp://{args.host}:{args.events_port or '*'}", topic=args.topic,
-                            replay_endpoint=f"tcp://{args.host}:{args.replay_port or '*'}")  # fmt: skip
+                            replay_endpoint=f"tcp://{args.host}:{args.replay_port or '*'}", bind=True)  # fmt: skip
     engine.manager.add_kv_event_listener(pub)
     worker = EngineWorker(engine, pub)
     worker.start()
