@@ -136,3 +136,10 @@ def test_policy_arguments_are_checked() -> None:
         RouterPolicy(load_margin=0)
     with pytest.raises(ValueError, match="stale_after_s=-1"):
         RouterPolicy(stale_after_s=-1)
+
+
+def test_bench_decision_latency_runs_small() -> None:
+    from pagedkv.bench.router_bench import decision_latency
+
+    result = decision_latency(blocks=300, decisions=20, engines=2)
+    assert result["pagedkv sha256 blocks per engine"] == 300 and result["vLLM sha256"] > 0
