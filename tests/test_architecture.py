@@ -35,6 +35,7 @@ LAYERS = {
     "pagedkv.ops.state_runs": 2,  # checkpoint runs the manager copies (imports nothing from pagedkv)
     "pagedkv.engine": 4, "pagedkv.testing": 5, "pagedkv.bench": 5, "pagedkv.demo": 5, "pagedkv.tier_demo": 5, "pagedkv.manager_demo": 5, "pagedkv.hf": 4, "pagedkv.cli": 6, "pagedkv": 6,
     "pagedkv.integrations": 5,
+    "pagedkv.router": 5,
 }  # fmt: skip
 # The seed API puts `allocate_buffers` on the params; it is the one call that reaches up (lazily).
 ALLOWED_UPWARD = {

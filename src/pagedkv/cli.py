@@ -1,4 +1,5 @@
-"""The `pagedkv` command: `pagedkv demo` and `pagedkv bench <benchmark>` (`pagedkv bench --help` lists them)."""
+"""The `pagedkv` command: `pagedkv demo`, `pagedkv bench <benchmark>` (`pagedkv bench --help` lists them),
+`pagedkv engine` (one engine behind HTTP, publishing KV events) and `pagedkv route` (the KV-aware router)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
     "state-prefix": BenchCommand("pagedkv.bench.compare.state_prefix", "prefix hit rate of a Qwen3.5-shaped hybrid (state checkpoints) vs vLLM align mode and the all-attention ceiling, at equal bytes"),
     "soak": BenchCommand("pagedkv.bench.soak", "engine soak over every tier: RSS, leaks, tokens"),
     "faults": BenchCommand("pagedkv.bench.faults", "Redis killed, disk full, corrupt / truncated pages, slow Redis while engines serve"),
+    "router": BenchCommand("pagedkv.bench.router_bench", "KV-aware routing vs round-robin vs random over 4 engine processes: fleet hit rate, TTFT; decision latency", tables=False),
     "step-calls": BenchCommand("pagedkv.bench.step_calls", "pagedkv calls per layer per decode step of a tiny Llama (one-pass check)"),
 }  # fmt: skip
 
@@ -61,6 +63,11 @@ def parser() -> argparse.ArgumentParser:
                            "another, compare time to first token with recompute")  # fmt: skip
     demo.add_argument("--redis-url", help="Redis server for --connector redis (redis://host:port/db)")
     demo.add_argument("--dir", help="disk tier directory for --connector tiered (default: a temporary one)")
+    for name, module, text in (
+        ("engine", "pagedkv.router.engine_server", "serve one pagedkv engine over HTTP, publishing its KV events"),
+        ("route", "pagedkv.router.service", "the KV-aware router: an HTTP service routing requests over engines"),
+    ):
+        importlib.import_module(module).add_arguments(sub.add_parser(name, help=text, formatter_class=_FORMAT))
     bench = sub.add_parser("bench", help="benchmarks", formatter_class=_FORMAT)
     kinds = bench.add_subparsers(dest="bench", required=True)
     for name, cmd in BENCH_COMMANDS.items():
@@ -78,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "bench":
         return int(importlib.import_module(BENCH_COMMANDS[args.bench].module).command(args))
+    if args.command in ("engine", "route"):
+        module = "pagedkv.router.engine_server" if args.command == "engine" else "pagedkv.router.service"
+        return int(importlib.import_module(module).main(args))
     if args.connector:
         from pagedkv.tier_demo import run_tier_demo
 

@@ -174,6 +174,8 @@ class ZmqEventPublisher:
         data_parallel_rank: None: every replica's batches; r: only replica r's, on endpoints
             offset by r and numbered from 0 (vLLM's one publisher per rank).
         linger_s: how long `close` lets queued messages drain to subscribers.
+        bind: bind (True) or connect (False) the PUB socket; None: vLLM's rule above. True binds a
+            fixed loopback port (``tcp://127.0.0.1:5557``), which the rule would connect to.
 
     Calling the publisher never blocks: it numbers the batch and queues it. Sequence numbers
     count every batch accepted, dropped ones included, so a subscriber sees a drop as a gap.
@@ -192,6 +194,7 @@ class ZmqEventPublisher:
         int_hashes: bool = True,
         data_parallel_rank: int | None = None,
         linger_s: float = 1.0,
+        bind: bool | None = None,
     ) -> None:
         for name, value in (("buffer_steps", buffer_steps), ("hwm", hwm), ("max_queue_size", max_queue_size)):
             if type(value) is not int or value < 1:
@@ -209,7 +212,9 @@ class ZmqEventPublisher:
         self._pub.setsockopt(zmq.XPUB_VERBOSER if hasattr(zmq, "XPUB_VERBOSER") else zmq.XPUB_VERBOSE, 1)
         self._replay: Any = None
         try:
-            self.endpoint = self._attach(self._pub, offset_endpoint_port(endpoint, rank), _binds(endpoint))
+            self.endpoint = self._attach(
+                self._pub, offset_endpoint_port(endpoint, rank), _binds(endpoint) if bind is None else bool(bind)
+            )
             self.replay_endpoint: str | None = None
             if replay_endpoint is not None:
                 self._replay = ctx.socket(zmq.ROUTER)
@@ -262,6 +267,11 @@ class ZmqEventPublisher:
     def num_subscriptions(self) -> int:
         """Subscriptions currently held by connected subscribers (one per SUB per topic prefix)."""
         return self._subscriptions
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next batch will get (= batches numbered so far)."""
+        return self._next_seq
 
     @property
     def queued(self) -> int:
