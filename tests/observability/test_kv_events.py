@@ -193,11 +193,12 @@ def test_subscriber_receives_a_scripted_run_in_order_without_gaps(algo: str, int
         dealer.send_multipart([b"", k.to_bytes(8, "big")])
         replayed = []
         while True:
-            empty, seq, payload = receive(dealer)
+            empty, topic, seq, payload = receive(dealer)
             assert empty == b""
             if seq == END_SEQ:
-                assert payload == b""
+                assert (topic, payload) == (b"", b"")  # vLLM's end marker, frame for frame
                 break
+            assert topic == b"kv"
             replayed.append((int.from_bytes(seq, "big"), payload))
         assert replayed == [(s, f[2]) for s, f in zip(seqs, frames, strict=True)][k:]
         assert (pub.published, pub.dropped, pub.errors) == (n, 0, 0)

@@ -163,9 +163,9 @@ class ZmqEventPublisher:
         endpoint: PUB address; bound when it holds ``*`` (``tcp://*:5557``, or ``tcp://127.0.0.1:*``
             for a free port, see `endpoint`), ``::``, ipc or inproc, else connected (to a proxy).
         replay_endpoint: optional ROUTER address (always bound). A DEALER client sends
-            ``[b"", start seq as 8 bytes big-endian]`` and gets one ``[b"", seq, payload]`` message
-            per buffered batch with ``seq >= start``, then ``[b"", END_SEQ, b""]`` (vLLM's framing;
-            a REQ socket would keep only the first message).
+            ``[b"", start seq as 8 bytes big-endian]`` and gets one ``[b"", topic, seq, payload]``
+            message per buffered batch with ``seq >= start``, then ``[b"", b"", END_SEQ, b""]``
+            (vLLM's framing, frame for frame; a REQ socket would keep only the first message).
         topic: the first frame of every message (subscribers filter on it).
         buffer_steps: batches kept for replay.
         hwm: the PUB socket's send high-water mark (messages per subscriber).
@@ -346,8 +346,8 @@ class ZmqEventPublisher:
         start = int.from_bytes(frames[-1], "big", signed=True)
         for seq, payload in list(self._buffer):
             if seq >= start:
-                sock.send_multipart([*head, seq.to_bytes(8, "big"), payload])
-        sock.send_multipart([*head, END_SEQ, b""])
+                sock.send_multipart([*head, self.topic, seq.to_bytes(8, "big"), payload])
+        sock.send_multipart([*head, b"", END_SEQ, b""])
 
     def _close_sockets(self, linger_ms: int) -> None:
         for sock in (self._pub, self._replay):
