@@ -20,6 +20,7 @@ TORCH_FREE = [  # every bookkeeping module (all of pagedkv.core) and the descrip
     "pagedkv.symbols",
     "pagedkv.records",
     "pagedkv.validation",
+    "pagedkv.lazy",
     "pagedkv.interface",
     "pagedkv.specs",
     "pagedkv.connector_config",
@@ -29,7 +30,7 @@ TORCH_FREE = [  # every bookkeeping module (all of pagedkv.core) and the descrip
 
 # Lower number = lower layer. A module may import only from its own layer or below.
 LAYERS = {
-    "pagedkv.dtype": 0, "pagedkv.validation": 0, "pagedkv.records": 0, "pagedkv.symbols": 0, "pagedkv.params": 0, "pagedkv.deployment_seed": 0, "pagedkv.multi_params": 0, "pagedkv.interface": 0, "pagedkv.specs": 0, "pagedkv.state_params": 0, "pagedkv.connector_config": 0,
+    "pagedkv.dtype": 0, "pagedkv.lazy": 0, "pagedkv.validation": 0, "pagedkv.records": 0, "pagedkv.symbols": 0, "pagedkv.params": 0, "pagedkv.deployment_seed": 0, "pagedkv.multi_params": 0, "pagedkv.interface": 0, "pagedkv.specs": 0, "pagedkv.state_params": 0, "pagedkv.connector_config": 0,
     "pagedkv.core": 1, "pagedkv.runtime": 2, "pagedkv.manager": 2, "pagedkv.ops": 3, "pagedkv.offload": 2, "pagedkv.observability": 3,
     "pagedkv.ops.page_copy": 2,  # a buffer op the manager applies (imports nothing from pagedkv)
     "pagedkv.ops.state_runs": 2,  # checkpoint runs the manager copies (imports nothing from pagedkv)

@@ -14,10 +14,10 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagedkv.integrations.sglang.settings import StorageSettings
+from pagedkv.lazy import lazy_exports
 
 __all__ = ["HostPages", "PagedKVStorage", "StorageSettings"]
 
@@ -27,17 +27,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pagedkv.integrations.sglang' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only

@@ -17,11 +17,11 @@ what vLLM's ``KVConnectorFactory`` does (``getattr(module, "PagedKVConnector")``
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagedkv.integrations.vllm.layout import BlockLayout
 from pagedkv.integrations.vllm.settings import EXTRA_CONFIG_KEYS, ConnectorSettings, parse_extra_config
+from pagedkv.lazy import lazy_exports
 
 __all__ = [
     "EXTRA_CONFIG_KEYS",
@@ -42,17 +42,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'pagedkv.integrations.vllm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
