@@ -61,7 +61,7 @@ class Medium:
             self.extra: dict[str, Any] = {"redis_url": self.server.url, "redis_timeout_s": 0.5, "redis_retry_s": 0.2}
             self.client = self.server.client()
         else:
-            self.extra = {"disk_dir": str(tmp_path / "pages"), "capacity_gb": 0.01}
+            self.extra = {"disk_offload_dir": str(tmp_path / "pages"), "disk_offload_max_gb": 0.01}
 
     def read(self, store: Any, key: str) -> bytes | None:
         tier = store.tier
@@ -156,7 +156,7 @@ def test_keys_carry_the_rank_and_the_layout_fingerprint(redis_server: RedisServe
         backend(host_pool("page_first_direct"), extra, model="meta-llama/Llama-3.1-8B", tp_rank=1, tp_size=2),
         backend(host_pool("page_first", dtype=torch.float16), extra, model="meta-llama/Llama-3.1-8B", tp_rank=1,
                 tp_size=2),
-        backend(host_pool("page_first"), {**extra, "hmac_key": "k" * 16}, model="meta-llama/Llama-3.1-8B",
+        backend(host_pool("page_first"), {**extra, "tier_hmac_key": "k" * 16}, model="meta-llama/Llama-3.1-8B",
                 tp_rank=1, tp_size=2),
     ]  # fmt: skip
     assert [o.batch_exists(keys) for o in others] == [0] * 6
@@ -178,7 +178,7 @@ def _second_process(spec: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
 def test_another_process_reads_the_pages_bit_identical(medium: Medium, layout: str) -> None:
     pool = host_pool(layout, seed=3)
-    extra = {**medium.extra, "hmac_key": "a shared deployment secret"}
+    extra = {**medium.extra, "tier_hmac_key": "a shared deployment secret"}
     store = backend(pool, extra)
     keys = page_keys(6)
     assert store.batch_set_v1(keys[:4], slots([2, 4, 6, 8])) == [True] * 4
@@ -206,7 +206,7 @@ def _truncate(value: bytes, **_: Any) -> bytes:
 def test_bad_pages_are_misses_never_data(medium: Medium, damage: str, signed: bool) -> None:
     if damage == "unsigned" and not signed:
         pytest.skip("an unsigned page is what a checksum-only reader expects")
-    secret = {"hmac_key": "the deployment's secret"} if signed else {}
+    secret = {"tier_hmac_key": "the deployment's secret"} if signed else {}
     pool = host_pool("page_first")
     store = backend(pool, {**medium.extra, **secret})
     keys = page_keys(4)
@@ -216,8 +216,12 @@ def test_bad_pages_are_misses_never_data(medium: Medium, damage: str, signed: bo
     if damage in ("forged", "truncated"):
         bad = (_forge if damage == "forged" else _truncate)(good)
     else:  # a complete, valid page of another writer (its own namespace), planted under this page's name
-        own = {"disk_dir": medium.extra["disk_dir"] + "-other"} if medium.name == "disk" else {"key_prefix": "other:"}
-        other_secret = {"hmac_key": "another deployment's key"} if damage == "wrong-signature" else (
+        own = (
+            {"disk_offload_dir": medium.extra["disk_offload_dir"] + "-other"}
+            if medium.name == "disk"
+            else {"redis_key_prefix": "other:"}
+        )
+        other_secret = {"tier_hmac_key": "another deployment's key"} if damage == "wrong-signature" else (
             {} if damage == "unsigned" else secret)  # fmt: skip
         other_layout = "page_first_direct" if damage == "wrong-layout" else "page_first"
         other = backend(host_pool(other_layout, seed=9), {**medium.extra, **own, **other_secret})
@@ -270,7 +274,7 @@ def test_a_killed_redis_gives_misses_and_skipped_writes_never_an_exception(redis
 def test_storage_metrics_are_sglangs(tmp_path: Path) -> None:
     s = sglang()
     pool = host_pool("page_first")
-    store = backend(pool, {"disk_dir": str(tmp_path)}, metrics=True)
+    store = backend(pool, {"disk_offload_dir": str(tmp_path)}, metrics=True)
     keys = page_keys(3)
     assert store.batch_set_v1(keys, slots([1, 2, 3])) == [True] * 3
     assert store.batch_get_v1(keys, slots([4, 5, 6])) == [True] * 3
@@ -283,8 +287,8 @@ def test_storage_metrics_are_sglangs(tmp_path: Path) -> None:
 
 HOSTILE: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({}, ValueError, "exactly one medium"),
-    ({"disk_dir": "/tmp/x", "redis_url": "redis://h:1"}, ValueError, "got both"),
-    ({"disk_dir": "/tmp/x", "dsik_dir": "/tmp/y"}, ValueError, r"unknown key\(s\) \['dsik_dir'\]"),
+    ({"disk_offload_dir": "/tmp/x", "redis_url": "redis://h:1"}, ValueError, "got both"),
+    ({"disk_offload_dir": "/tmp/x", "dsik_dir": "/tmp/y"}, ValueError, r"unknown key\(s\) \['dsik_dir'\]"),
     ({"redis_url": 6379}, TypeError, r"extra_config\['redis_url'\]=6379 must be a str"),
     ({"redis_url": "http://h:1"}, ValueError, r"extra_config\['redis_url'\]='http://h:1' must start with"),
     ({"redis_url": ""}, ValueError, r"extra_config\['redis_url'\]='' must not be empty"),
@@ -295,19 +299,44 @@ HOSTILE: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"redis_url": "redis://h:1", "redis_timeout_s": 0}, ValueError, r"\['redis_timeout_s'\]=0 must be > 0"),
     ({"redis_url": "redis://h:1", "redis_timeout_s": "1"}, TypeError, r"\['redis_timeout_s'\]='1' must be a number"),
     ({"redis_url": "redis://h:1", "redis_retry_s": -1}, ValueError, r"\['redis_retry_s'\]=-1 must be > 0"),
-    ({"redis_url": "redis://h:1", "redis_ttl_s": 0}, ValueError, r"\['redis_ttl_s'\]=0 must be in 1\.\."),
+    ({"redis_url": "redis://h:1", "redis_ttl_s": 0}, ValueError, r"\['redis_ttl_s'\]=0 must be in \[1, "),
     ({"redis_url": "redis://h:1", "redis_ttl_s": 1.5}, TypeError, r"\['redis_ttl_s'\]=1.5 must be an int"),
-    ({"redis_url": "redis://h:1", "io_threads": 0}, ValueError, r"\['io_threads'\]=0 must be in 1..64"),
+    ({"redis_url": "redis://h:1", "io_threads": 0}, ValueError, r"\['io_threads'\]=0 must be in \[1, 64\]"),
     ({"redis_url": "redis://h:1", "io_threads": True}, TypeError, r"\['io_threads'\]=True must be an int"),
-    ({"redis_url": "redis://h:1", "capacity_gb": 1}, ValueError, r"\['capacity_gb'\]=1 applies to a directory"),
-    ({"disk_dir": "/tmp/x", "key_prefix": "p:"}, ValueError, r"\['key_prefix'\]='p:' applies to a Redis"),
-    ({"redis_url": "redis://h:1", "key_prefix": "a*"}, ValueError, r"\['key_prefix'\]='a\*' must be"),
-    ({"disk_dir": "/tmp/x", "capacity_gb": float("inf")}, ValueError, r"\['capacity_gb'\]=inf must be > 0"),
-    ({"disk_dir": "/tmp/x", "capacity_gb": 0}, ValueError, r"\['capacity_gb'\]=0 must be > 0"),
-    ({"disk_dir": "/tmp/x", "hmac_key": "short"}, ValueError, r"\['hmac_key'\] has 5 bytes; it needs at least 16"),
-    ({"disk_dir": "/tmp/x", "hmac_key": b"x" * 16}, TypeError, r"\['hmac_key'\]=b'x+' must be a str"),
-    ({"disk_dir": "/tmp/x", "hmac_key_file": "/nonexistent/key"}, ValueError, r"\['hmac_key_file'\]=.* cannot be read"),
-    ({"disk_dir": "/tmp/x", "hmac_key": "k" * 16, "hmac_key_file": "/k"}, ValueError, "both 'hmac_key' and"),
+    (
+        {"redis_url": "redis://h:1", "disk_offload_max_gb": 1},
+        ValueError,
+        r"\['disk_offload_max_gb'\]=1 applies to a directory",
+    ),
+    (
+        {"disk_offload_dir": "/tmp/x", "redis_key_prefix": "p:"},
+        ValueError,
+        r"\['redis_key_prefix'\]='p:' applies to a Redis",
+    ),
+    ({"redis_url": "redis://h:1", "redis_key_prefix": "a*"}, ValueError, r"\['redis_key_prefix'\]='a\*'... must be"),
+    (
+        {"disk_offload_dir": "/tmp/x", "disk_offload_max_gb": float("inf")},
+        ValueError,
+        r"\['disk_offload_max_gb'\]=inf must be > 0",
+    ),
+    ({"disk_offload_dir": "/tmp/x", "disk_offload_max_gb": 0}, ValueError, r"\['disk_offload_max_gb'\]=0 must be > 0"),
+    (
+        {"disk_offload_dir": "/tmp/x", "tier_hmac_key": "short"},
+        ValueError,
+        r"\['tier_hmac_key'\] has 5 bytes; it needs at least 16",
+    ),
+    ({"disk_offload_dir": "/tmp/x", "tier_hmac_key": 12}, TypeError, r"\['tier_hmac_key'\]='<redacted>' must be a str"),
+    ({"disk_offload_dir": "/tmp/x", "disk_dir": "/tmp/y"}, ValueError, r"unknown key\(s\) \['disk_dir'\]"),
+    (
+        {"disk_offload_dir": "/tmp/x", "tier_hmac_key_file": "/nonexistent/key"},
+        ValueError,
+        r"\['tier_hmac_key_file'\]=.* cannot be read",
+    ),
+    (
+        {"disk_offload_dir": "/tmp/x", "tier_hmac_key": "k" * 16, "tier_hmac_key_file": "/k"},
+        ValueError,
+        "both 'tier_hmac_key' and",
+    ),
     ({"redis_url": "rediss://h:1/0", "redis_password": 5}, TypeError, r"\['redis_password'\]=5 must be a str"),
 ]
 
@@ -324,14 +353,14 @@ def test_hostile_config_fails_at_startup_naming_the_key(extra: dict[str, Any], e
 def test_a_short_key_file_and_an_unserved_pool_are_refused(tmp_path: Path) -> None:
     s = sglang()
     key_file = tmp_path / "key"
-    key_file.write_text("  fifteen bytes \n")
-    cfg = storage_config({"disk_dir": str(tmp_path), "hmac_key_file": str(key_file)})
-    with pytest.raises(ValueError, match=r"holds a key of 13 bytes .*at least 16"):
+    key_file.write_text("fifteen bytes\n")
+    cfg = storage_config({"disk_offload_dir": str(tmp_path), "tier_hmac_key_file": str(key_file)})
+    with pytest.raises(ValueError, match=r"\['tier_hmac_key_file'\] has 13 bytes; it needs at least 16"):
         s.Factory.create_backend("dynamic", cfg, None)
     key_file.write_text("a key of twenty-two b\n")
-    good = storage_config({"disk_dir": str(tmp_path), "hmac_key_file": str(key_file)})
+    good = storage_config({"disk_offload_dir": str(tmp_path), "tier_hmac_key_file": str(key_file)})
     store = s.Factory.create_backend("dynamic", good, None)
-    assert store.settings.hmac_key == b"a key of twenty-two b"
+    assert store.settings.tier_hmac_key == b"a key of twenty-two b"
     assert store.batch_exists(page_keys(1)) == 0 and store.batch_get_v1(page_keys(1), slots([0])) == [False]
     with pytest.raises(TypeError, match="not an MHA host pool"):
         store.register_mem_pool_host(object())

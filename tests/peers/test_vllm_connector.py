@@ -259,7 +259,7 @@ def test_consumer_only_loads_and_producer_only_saves(model: str, tmp_path: Path)
         ({"disk_offload_dir": "/tmp/x", "bogus": 1}, ValueError, "unknown key(s) ['bogus']"),
         ({"redis_url": "http://h:1"}, ValueError, "kv_connector_extra_config['redis_url']='http://h:1' must start"),
         ({"disk_offload_dir": 5}, TypeError, "kv_connector_extra_config['disk_offload_dir']=5 must be a str"),
-        ({"disk_offload_dir": "/tmp/x", "io_threads": 0}, ValueError, "['io_threads']=0 must be in [1, 256]"),
+        ({"disk_offload_dir": "/tmp/x", "io_threads": 0}, ValueError, "['io_threads']=0 must be in [1, 64]"),
         ({"disk_offload_dir": "/tmp/x", "load_async": "yes"}, TypeError, "['load_async']='yes' must be true or false"),
         ({"disk_offload_dir": "/tmp/x", "tier_hmac_key": "short"}, ValueError, "has 5 bytes; it needs at least 16"),
     ],

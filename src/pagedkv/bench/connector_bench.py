@@ -8,10 +8,10 @@ is loaded by vLLM's `KVConnectorFactory`. Per pass, `blocks` blocks move in
 engine steps of `batch` blocks:
 
 - save: ``bind_connector_metadata`` + ``wait_for_save`` per step (gather from the KV
-  views into staging rows, header + checksum, handed to the tier's threads), then the
-  wait for every write;
-- load: ``start_load_kv`` per step (fetch, check, scatter into the KV views), with
-  ``get_block_ids_with_load_errors`` empty;
+  views into staging rows with header room, handed to the tier's threads, which seal
+  the header in place and write each page as one buffer), then the wait for every write;
+- load: ``start_load_kv`` per step (each page read straight into its block's layer
+  slices and checked there), with ``get_block_ids_with_load_errors`` empty;
 
 against the raw medium in the same run (`connector_cases.ConnectorCase`): redis-py
 pipelined SET / GET of values of the same size on a `redis-server` this bench

@@ -11,7 +11,7 @@ Per medium, pages per second each way:
   bench starts (or ``--redis-url``); raw = redis-py pipelined SET / GET of the same bytes (header +
   page, built before the clock starts), one pipeline per batch on one connection; the raw GET only
   receives the values, ours also checks them and copies them into the host pool.
-- disk: ours with ``disk_dir``; raw = the same bytes written / read sequentially, one file per page
+- disk: ours with ``disk_offload_dir``; raw = the same bytes written / read sequentially, one file per page
   (write, close; read into one buffer per host page, the same memory ours reads into); SGLang's `HiCacheFile` through the calls its controller
   makes for it (legacy ``batch_set`` of ``get_data_page`` / ``batch_get`` of dummy flat pages, then
   ``set_from_flat_data_page``). No fsync anywhere: the disk rows measure the page cache.
@@ -278,7 +278,9 @@ def run_hicache_bench(*, pages: int = 2048, page_tokens: int = 16, pool_pages: i
             server = start_redis()
             redis_url = server.url
         try:
-            ours = _Ours(setup, {"redis_url": redis_url, "io_threads": io_threads, "key_prefix": "pagedkv-bench:"})
+            ours = _Ours(
+                setup, {"redis_url": redis_url, "io_threads": io_threads, "redis_key_prefix": "pagedkv-bench:"}
+            )
             sides: dict[str, Any] = {
                 "pagedkv (Redis)": ours,
                 "raw redis-py pipelined SET/GET": _RawRedis(setup, redis_url, row_bytes),
@@ -293,8 +295,8 @@ def run_hicache_bench(*, pages: int = 2048, page_tokens: int = 16, pool_pages: i
         root = tempfile.mkdtemp(prefix="pagedkv-bench-hicache-", dir=directory)
         try:
             sides = {
-                "pagedkv (directory)": _Ours(setup, {"disk_dir": os.path.join(root, "ours"), "io_threads": io_threads,
-                                                     "capacity_gb": 2 * pages * row_bytes / 2**30}),
+                "pagedkv (directory)": _Ours(setup, {"disk_offload_dir": os.path.join(root, "ours"), "io_threads": io_threads,
+                                                     "disk_offload_max_gb": 2 * pages * row_bytes / 2**30}),
                 "raw files, sequential": _RawFiles(setup, os.path.join(root, "raw"), row_bytes),
                 "SGLang HiCacheFile": _HiCacheFile(setup, os.path.join(root, "hicachefile")),
             }  # fmt: skip

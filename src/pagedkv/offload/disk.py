@@ -36,8 +36,9 @@ from pagedkv.offload.format import (
     decode_header,
     encode_header,
     payload_parts,
+    seal,
 )
-from pagedkv.offload.tier import Done, LowerTier, OnceLogger, Row
+from pagedkv.offload.tier import Done, LowerTier, OnceLogger, Row, check_framed
 
 __all__ = ["DiskTier"]
 
@@ -245,11 +246,15 @@ class DiskTier(LowerTier):
         return False
 
     # ----------------------------------------------------------------- writes
-    def store(self, keys: Sequence[bytes], rows: Sequence[Row], done: Done) -> None:
+    def store(self, keys: Sequence[bytes], rows: Sequence[Row], done: Done, *, framed: bool = False) -> None:
         """The pages not stored nor being written go to up to `threads` jobs (every `threads`-th page
-        each): one task per job, not per page, so small pages do not pay a thread handoff each."""
+        each): one task per job, not per page, so small pages do not pay a thread handoff each. A
+        framed row is sealed in place and written with one write; another row is written as header
+        and parts with one writev."""
         if len(keys) != len(rows):
             raise ValueError(f"{len(keys)} keys but {len(rows)} rows")
+        if framed:
+            check_framed(rows, self.file_bytes)
         todo: list[int] = []
         skipped: list[int] = []
         with self._lock:
@@ -270,21 +275,28 @@ class DiskTier(LowerTier):
         jobs = min(self._threads, len(todo))
         for first in range(jobs):
             index = todo[first::jobs]
-            future = self._pool.submit(self._write_job, [keys[i] for i in index], [rows[i] for i in index], index, done)
+            future = self._pool.submit(self._write_job, [keys[i] for i in index], [rows[i] for i in index], index, done,
+                                       framed)  # fmt: skip
             self._inflight.add(future)
             future.add_done_callback(self._inflight.discard)
 
-    def _write_job(self, keys: list[bytes], rows: list[Row], index: list[int], done: Done) -> None:
+    def _write_job(self, keys: list[bytes], rows: list[Row], index: list[int], done: Done, framed: bool) -> None:
         for key, row, i in zip(keys, rows, index, strict=True):
-            self._write(key, row, i, done)
+            self._write(key, row, i, done, framed)
 
-    def _write(self, key: bytes, row: Row, i: int, done: Done) -> None:
+    def _write(self, key: bytes, row: Row, i: int, done: Done, framed: bool = False) -> None:
         path = self._file(key)
         tmp = f"{path[:-5]}.{threading.get_ident()}.tmp"
         start = time.perf_counter()
         try:
             self._make_room()
-            header = encode_header(key, row, self.fingerprint, self.hash_algo, self.mac_key)
+            if framed:
+                assert isinstance(row, memoryview)
+                seal(row, key, self.fingerprint, self.hash_algo, self.mac_key)
+                buffers: list[bytes | memoryview] = [row]
+            else:
+                header = encode_header(key, row, self.fingerprint, self.hash_algo, self.mac_key)
+                buffers = [header, *payload_parts(row)]
             if os.path.islink(os.path.dirname(path)):
                 raise OSError(errno.ELOOP, "the bucket directory is a symbolic link; not written through it")
             with contextlib.suppress(FileNotFoundError):
@@ -295,7 +307,7 @@ class DiskTier(LowerTier):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 fd = os.open(tmp, _CREATE, 0o644)
             try:
-                _write_all(fd, [header, *payload_parts(row)])  # one writev for header and row
+                _write_all(fd, buffers)  # one write(v) for header and row
             finally:
                 os.close(fd)
             os.replace(tmp, path)

@@ -54,6 +54,7 @@ __all__ = [
     "mac",
     "payload_nbytes",
     "payload_parts",
+    "seal",
 ]
 
 MAGIC = b"PKVP"
@@ -183,6 +184,13 @@ def encode_header(key: bytes, payload: Any, fingerprint: bytes, hash_algo: str, 
         return _HEADER.pack(*fields, checksum(payload).to_bytes(8, "little"))
     signed = _HEADER.pack(*fields, b"")[:_SIGNED]
     return _HEADER.pack(*fields, mac(mac_key, signed, payload))
+
+
+def seal(page: memoryview, key: bytes, fingerprint: bytes, hash_algo: str, mac_key: bytes | None = None) -> None:
+    """Write the header of a framed page in place: `page` is one writable byte view of `HEADER_SIZE`
+    bytes of room followed by the payload; its first `HEADER_SIZE` bytes become `encode_header` of the
+    rest, so `page` is then the stored page byte for byte (one buffer a tier can send or write as is)."""
+    page[:HEADER_SIZE] = encode_header(key, page[HEADER_SIZE:], fingerprint, hash_algo, mac_key)
 
 
 def decode_header(raw: bytes | memoryview) -> PageHeader | None:

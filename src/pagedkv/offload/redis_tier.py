@@ -2,7 +2,7 @@
 
 One string value per page, no pickle, under
 
-    <redis_key_prefix><layout fingerprint, 32 hex>:<content hash, hex>  ->  80-byte header + page row
+    <redis_key_prefix><layout fingerprint, 32 hex>:<content hash, hex>  ->  112-byte header + page row
 
 (`offload.format`). The fingerprint covers the model id, dtype, page size,
 heads, layers and TP degree, so engines read only pages of their own layout;
@@ -49,9 +49,10 @@ from pagedkv.offload.format import (
     decode_header,
     encode_header,
     payload_parts,
+    seal,
 )
 from pagedkv.offload.redis_client import client_factory, import_redis, is_cluster, redis_client, unlink_prefix, where
-from pagedkv.offload.tier import Done, LowerTier, OnceLogger, Row
+from pagedkv.offload.tier import Done, LowerTier, OnceLogger, Row, check_framed
 
 __all__ = ["FETCH_CHUNK_BYTES", "RedisTier", "redis_client"]
 
@@ -228,9 +229,13 @@ class RedisTier(LowerTier):
         return False
 
     # ----------------------------------------------------------------- writes
-    def store(self, keys: Sequence[bytes], rows: Sequence[Row], done: Done) -> None:
+    def store(self, keys: Sequence[bytes], rows: Sequence[Row], done: Done, *, framed: bool = False) -> None:
+        """A framed row is sealed in place and sent as the value itself (redis-py sends a memoryview
+        without copying it); another row is joined with its header into one value."""
         if len(keys) != len(rows):
             raise ValueError(f"{len(keys)} keys but {len(rows)} rows")
+        if framed:
+            check_framed(rows, HEADER_SIZE + self.row_bytes)
         if not self.available:
             self.stats.add(skipped_writes=len(keys))
             for i in range(len(keys)):
@@ -247,16 +252,18 @@ class RedisTier(LowerTier):
         size = max(1, -(-len(todo) // self.config.io_threads))
         for lo in range(0, len(todo), size):
             index = todo[lo : lo + size]
-            future = self._pool.submit(self._write, [keys[i] for i in index], [rows[i] for i in index], index, done)
+            future = self._pool.submit(self._write, [keys[i] for i in index], [rows[i] for i in index], index, done,
+                                       framed)  # fmt: skip
             self._inflight.add(future)
             future.add_done_callback(self._inflight.discard)
 
-    def _write(self, keys: list[bytes], rows: list[Row], index: list[int], done: Done) -> None:
-        """One pipelined EXISTS, then SET NX (EX ttl) of the missing pages; `done` once rows are copied."""
+    def _write(self, keys: list[bytes], rows: list[Row], index: list[int], done: Done, framed: bool = False) -> None:
+        """One pipelined EXISTS, then SET NX (EX ttl) of the missing pages; `done` once rows are copied
+        (a framed row: once it is sent)."""
         started = time.monotonic()
         pending = list(index)  # rows whose `done` is not called yet
         stored = 0
-        ttl, mac_key = self.config.redis_ttl_s, self.config.mac_key
+        ttl = self.config.redis_ttl_s
         try:
             if not self.available:
                 self.stats.add(skipped_writes=len(keys))
@@ -266,12 +273,12 @@ class RedisTier(LowerTier):
                 for name in names:
                     pipe.exists(name)
                 present = pipe.execute()
-            values = {name: b"".join((encode_header(key, row, self.fingerprint, self.hash_algo, mac_key),
-                                      *payload_parts(row)))
+            values = {name: self._value(key, row, framed)
                       for key, row, name, there in zip(keys, rows, names, present, strict=True) if not there}  # fmt: skip
-            for i in pending:
-                done(i)  # every row is copied (or not needed): the caller may reuse it
-            pending = []
+            if not framed:
+                for i in pending:
+                    done(i)  # every row is copied (or not needed): the caller may reuse it
+                pending = []
             if values or ttl is not None:
                 with self.client.pipeline(transaction=False) as pipe:
                     for name in names:
@@ -295,6 +302,16 @@ class RedisTier(LowerTier):
                 done(i)
             with self._lock:
                 self._writing.difference_update(keys)
+
+    def _value(self, key: bytes, row: Row, framed: bool) -> bytes | memoryview:
+        """The stored value of page `key`: a framed row sealed in place (sent as is), else header and
+        row joined into new bytes."""
+        mac_key = self.config.mac_key
+        if framed:
+            assert isinstance(row, memoryview)
+            seal(row, key, self.fingerprint, self.hash_algo, mac_key)
+            return row
+        return b"".join((encode_header(key, row, self.fingerprint, self.hash_algo, mac_key), *payload_parts(row)))
 
     # ----------------------------------------------------------------- maintenance
     def wait(self) -> None:

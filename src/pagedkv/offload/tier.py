@@ -16,10 +16,18 @@ from collections.abc import Callable, Sequence
 
 from pagedkv.core.tier_stats import TierStats
 
-__all__ = ["LowerTier", "OnceLogger", "Row"]
+__all__ = ["LowerTier", "OnceLogger", "Row", "check_framed"]
 
 Done = Callable[[int], None]
 Row = memoryview | list[memoryview] | tuple[memoryview, ...]  # one page's bytes: one view, or its parts
+
+
+def check_framed(rows: Sequence[Row], page_bytes: int) -> None:
+    """ValueError unless every row is one writable, contiguous byte view of `page_bytes` (header room +
+    payload), as `LowerTier.store(..., framed=True)` takes."""
+    for row in rows:
+        if not isinstance(row, memoryview) or row.nbytes != page_bytes or row.readonly or not row.c_contiguous:
+            raise ValueError(f"a framed row must be one writable view of {page_bytes} bytes (header room + payload)")
 
 
 class OnceLogger:
@@ -67,9 +75,14 @@ class LowerTier(ABC):
         return self.contains(keys)
 
     @abstractmethod
-    def store(self, keys: Sequence[bytes], rows: Sequence[Row], done: Done) -> None:
+    def store(self, keys: Sequence[bytes], rows: Sequence[Row], done: Done, *, framed: bool = False) -> None:
         """Write each row under its key, in the background; pages already stored are skipped.
-        ``done(i)`` is called once row i is no longer read (written, skipped or failed)."""
+        ``done(i)`` is called once row i is no longer read (written, skipped or failed).
+
+        With ``framed=True`` each row is one writable byte view of `format.HEADER_SIZE` bytes of room
+        followed by the payload: the tier writes the page's header into that room (`format.seal`, on
+        its own threads) and stores the view as one buffer, so the page is never joined or copied on
+        our side. The caller must not read or write the room until ``done(i)``."""
 
     @abstractmethod
     def wait(self) -> None:

@@ -12,8 +12,9 @@ loaded from `pagedkv.integrations.sglang` only when SGLang asks for the class).
 - **Namespace**: ``<model>_<tp_rank>_<tp_size>`` (and ``_<pp_size>_<pp_rank>`` under pipeline
   parallelism), as SGLang's HiCacheFile suffixes its files, then the layout fingerprint (model,
   parallel ranks, pool class and layout, dtype, layers, heads, head dims, page size, part sizes,
-  signed or not): Redis keys ``<key_prefix><namespace>:<fingerprint>:<sha256 hex>``, files
-  ``<disk_dir>/<namespace>/<fingerprint>/<byte>/<sha256 hex>.page``. A page of another layout is
+  signed or not): Redis keys ``<redis_key_prefix><namespace>:<fingerprint>:<sha256 hex>``, files
+  ``<disk_offload_dir>/<namespace>/<fingerprint>/<byte>/<sha256 hex>.page``. ``model_id`` (extra config)
+  replaces SGLang's model name in both. A page of another layout is
   never found, so it is a miss.
 - **Checks**: `batch_exists` reads each page's header (`check_header`: key, layout, length, signed
   or not) and stops at the first page that is missing or fails; the reads check the payload's
@@ -70,8 +71,8 @@ class PagedKVStorage(HiCacheStorage):  # type: ignore[misc]
     def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
         self.settings = StorageSettings.from_extra_config(storage_config.extra_config)
         self.storage_config = storage_config
-        self.namespace = namespace(storage_config)
-        self.model_id = storage_config.model_name or ""
+        self.namespace = namespace(storage_config, self.settings.model_id)
+        self.model_id = self.settings.model_id or storage_config.model_name or ""
         self.config = self.settings.connector_config(self.model_id, self.namespace)
         if self.settings.medium == "redis":
             from pagedkv.offload.redis_client import client_factory

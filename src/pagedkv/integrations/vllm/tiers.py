@@ -10,8 +10,19 @@ written to both.
 Saves: `save` gathers the blocks into a host staging tensor (synchronously: the
 blocks may be reused as soon as it returns), then hands the rows to the tiers,
 whose threads write them in the background; the staging tensor lives until the
-last tier is done with it. At most `max_pending_bytes` of rows wait for their
-writes; a save beyond that first waits for the tiers (back pressure).
+last tier is done with it. Each staging row keeps `HEADER_SIZE` bytes of room
+before the block's bytes: the last tier (Redis when there are both) gets the
+rows framed (`LowerTier.store(framed=True)`: it writes the header into the room
+and sends or writes the page as one buffer, no join), the others the payload
+views. At most `max_pending_bytes` of rows wait for their writes; a save beyond
+that first waits for the tiers (back pressure).
+
+Loads: on a host KV cache whose layer blocks are runs of bytes (vLLM's CPU
+layouts), the tiers read each page straight into the block's layer slices
+(`BlockMover.block_parts`: the row's parts) and check the checksum or HMAC over
+them in place: one pass over the bytes, no staging. Elsewhere (a GPU cache) the
+pages go through a staging tensor and `BlockMover.scatter`. A page that fails its
+check may leave bytes in its block; the block is reported failed and recomputed.
 """
 
 from __future__ import annotations
@@ -24,7 +35,8 @@ import torch
 from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.tier_stats import TierStats
 from pagedkv.integrations.vllm.blocks import BlockMover
-from pagedkv.offload.tier import LowerTier
+from pagedkv.offload.format import HEADER_SIZE
+from pagedkv.offload.tier import LowerTier, Row
 
 __all__ = ["TierSet"]
 
@@ -59,8 +71,8 @@ class TierSet:
         """Each tier's counters by name ("disk", "redis")."""
         return {tier.stats.name: tier.stats for tier in self.tiers}
 
-    def _new(self, n: int) -> torch.Tensor:
-        rows = torch.empty((n, self.row_bytes), dtype=torch.uint8, pin_memory=self.pin_memory)  # [n, row]
+    def _new(self, n: int, room: int = 0) -> torch.Tensor:
+        rows = torch.empty((n, room + self.row_bytes), dtype=torch.uint8, pin_memory=self.pin_memory)  # [n, room+row]
         rows.fill_(0)  # fault the pages in now, once: a reused buffer's copies then run at memcpy speed
         return rows
 
@@ -81,7 +93,7 @@ class TierSet:
             for i, rows in enumerate(self._free):
                 if rows.shape[0] >= n:
                     return self._free.pop(i)
-        return self._new(n)
+        return self._new(n, HEADER_SIZE)
 
     # ----------------------------------------------------------------- reads
     def leading_hits(self, keys: Sequence[bytes]) -> int:
@@ -105,8 +117,14 @@ class TierSet:
             raise ValueError(f"{len(keys)} keys but {len(block_ids)} block ids")
         if not keys:
             return 0
-        rows = self._load_staging(len(keys))
-        views = self._views(rows, len(keys))
+        parts = mover.block_parts(block_ids)  # straight into the KV blocks, or through staging rows
+        rows: torch.Tensor | None = None
+        views: list[Row]
+        if parts is None:
+            rows = self._load_staging(len(keys))
+            views = list(self._views(rows, len(keys)))
+        else:
+            views = list(parts)
         found = 0
         progress = True
         while found < len(keys) and progress:
@@ -118,7 +136,7 @@ class TierSet:
                 progress = progress or got > 0
                 if found == len(keys):
                     break
-        if found:
+        if found and rows is not None:
             mover.scatter(rows[:found], block_ids[:found])
         return found
 
@@ -137,13 +155,14 @@ class TierSet:
             self.wait()  # back pressure: the tiers write slower than the engine computes
         with self._cond:
             self._pending += size
-        rows = self._save_staging(len(keys))
+        rows = self._save_staging(len(keys))  # [>= n, HEADER_SIZE + row_bytes]
         try:
-            mover.gather(block_ids, rows[: len(keys)])
+            mover.gather(block_ids, rows[: len(keys), HEADER_SIZE:])
         except BaseException:
             self._release(size, rows)
             raise
-        views = self._views(rows, len(keys))
+        pages = self._views(rows, len(keys))  # header room + payload
+        payloads = [page[HEADER_SIZE:] for page in pages]
         remaining = [len(self.tiers) * len(keys)]  # `done` calls still to come
 
         def done(i: int) -> None:  # `rows` goes back to the pool once every tier read every row
@@ -153,8 +172,9 @@ class TierSet:
             if last:
                 self._release(size, rows)
 
-        for tier in self.tiers:
-            tier.store(keys, views, done)
+        for tier in self.tiers[:-1]:
+            tier.store(keys, payloads, done)
+        self.tiers[-1].store(keys, pages, done, framed=True)
 
     def _release(self, size: int, rows: torch.Tensor) -> None:
         with self._cond:
