@@ -64,6 +64,20 @@ def test_touch_takes_cached_page_out_of_free_list() -> None:
     check(pool, {p: 2})
 
 
+def test_hold_adds_a_reference_without_counting_a_hit() -> None:
+    pool = BlockPool(3, eviction_policy="slru")
+    [p] = pool.allocate(1)
+    pool.commit(p, b"x")
+    with pytest.raises(ValueError, match="page 1 is not held"):
+        pool.hold([p, 1])
+    assert pool.ref_count(p) == 1  # (a refused call changes nothing)
+    pool.hold([p])
+    assert pool.ref_count(p) == 2 and not pool.is_reused(p)  # (touch would mark it reused: SLRU's frequent list)
+    pool.free([p, p])
+    assert pool.ref_count(p) == 0 and next(pool.list_pages(3)) == p  # still on probation
+    check(pool, {})
+
+
 def test_commit_merges_duplicate() -> None:
     pool = BlockPool(4)
     a, b = pool.allocate(2)

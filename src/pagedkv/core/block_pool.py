@@ -133,6 +133,16 @@ class BlockPool:
             if order is not None:
                 order.hit(page)
 
+    def hold(self, pages: Iterable[int]) -> None:
+        """Add a reference to each of `pages` already held, without counting a hit (no recency, reuse or
+        frequency change): keeps them from eviction while their holder's other pages are freed."""
+        ref, pages = self._ref, list(pages)
+        for page in pages:  # (checked first: a refused call changes nothing)
+            if ref[page] < 1:
+                raise ValueError(f"page {page} is not held")
+        for page in pages:
+            ref[page] += 1
+
     def allocate(self, n: int) -> list[int]:
         """Take `n` pages with ref 1: fresh ones first, then evict (probation, then LRU).
 

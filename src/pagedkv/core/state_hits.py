@@ -109,7 +109,7 @@ def release_request(
     state = next((g.group for g in groups if g.state_slots), -1)
     late = states is not None and states.run_pages > 0
     keep = held_for_release(st, tokens, hasher.page_size, pool.null_block) if late and caching else []
-    pool.touch(keep)
+    pool.hold(keep)
     if states is not None and not late:
         release_rows(states, hasher, st, request_id, tokens, state, caching)
     pool.unpin(st.pinned)
