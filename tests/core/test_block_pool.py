@@ -78,6 +78,19 @@ def test_hold_adds_a_reference_without_counting_a_hit() -> None:
     check(pool, {})
 
 
+def test_can_allocate_unwanted_counts_fresh_then_unwanted_cached_pages() -> None:
+    pool = BlockPool(5)
+    a, b = pool.allocate(2)
+    pool.commit(a, b"a")
+    pool.commit(b, b"b")
+    pool.free([a, b])  # 3 fresh pages, a and b cached and free
+    pool.want([b"b"], 1.0)  # a waiting request will hit b
+    assert [pool.can_allocate_unwanted(n) for n in (3, 4, 5, 6)] == [True, True, False, False]
+    pool.want([b"b"], 1.0, -1)
+    assert pool.can_allocate_unwanted(5) and not pool.can_allocate_unwanted(6)
+    check(pool, {})
+
+
 def test_commit_merges_duplicate() -> None:
     pool = BlockPool(4)
     a, b = pool.allocate(2)

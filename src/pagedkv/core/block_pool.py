@@ -244,14 +244,18 @@ class BlockPool:
         tickets = self._wanted.get(self._hash[page])  # type: ignore[arg-type]
         return -tickets[0] if tickets else _UNWANTED
 
-    def num_wanted_free(self) -> int:
-        """Free cached pages some waiting request wants (`want`): the last an allocation evicts. O(wants)."""
-        where, count = self._lists.where, 0
-        for key in self._wanted:
-            for cache in self._caches:
-                page = cache.get(key)
-                count += page is not None and where[page] in (LRU, PROBATION)
-        return count
+    def can_allocate_unwanted(self, n: int) -> bool:
+        """Whether `allocate(n)` can take its pages without evicting a free cached page some waiting request
+        wants (`want`). No side effects; wanted pages are counted only when fresh ones fall short."""
+        free = self.num_free - self.num_protected
+        if free < n or len(self._fresh) >= n or not self._wanted:
+            return free >= n
+        slack, where, count = free - n, self._lists.where, 0
+        for page in (cache.get(key) for key in self._wanted for cache in self._caches):
+            count += page is not None and where[page] in (LRU, PROBATION)
+            if count > slack:
+                return False
+        return True
 
     @property
     def num_wanted(self) -> int:

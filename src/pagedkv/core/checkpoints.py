@@ -258,7 +258,7 @@ class StateCheckpoints:
         self, src: int, parent: ParentKey, tail: np.ndarray, pages: Sequence[int], key: bytes, shared: bool
     ) -> Checkpoint | None:
         pool, n = self.token_pool, self.run_pages
-        if pool.num_free - pool.num_protected - (pool.num_wanted_free() if pool.num_wanted else 0) < n:
+        if not pool.can_allocate_unwanted(n):
             return None  # (a save never evicts what a waiting request will hit)
         if self.max_checkpoints is not None and len(self._recency) >= self.max_checkpoints:
             free = [r for r in self._recency if not self._held(self._entries[r])]
