@@ -127,8 +127,10 @@ class TierMachine(TierRules, ManagerMachine):
             config.update(disk_offload_dir=self.dir, disk_offload_max_gb=disk_pages * 600 / 2**30)
         if connector == "redis":
             server = shared_redis()
-            config.update(redis_url=server.url, redis_key_prefix=self.prefix, redis_timeout_s=0.25,
-                          redis_retry_s=1e-9)  # retried at once: whether Redis is skipped must not depend on time  # fmt: skip
+            # retried at once, and a timeout no healthy call on a loaded machine reaches (a killed server is
+            # refused at once): whether Redis is skipped must not depend on time
+            config.update(redis_url=server.url, redis_key_prefix=self.prefix, redis_timeout_s=10.0,
+                          redis_retry_s=1e-9)  # fmt: skip
         extra["kv_connector_config"] = KVConnectorConfig(**config)
         self.params = layout_params(
             layout, page_size=page_size, enable_prefix_caching=True, num_eagle_speculative_tokens=spec,
