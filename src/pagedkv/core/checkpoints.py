@@ -233,14 +233,9 @@ class StateCheckpoints:
         at a divergence point, kept longer). An existing checkpoint of that key is refreshed instead; with
         every row held (runs: fewer free pages than a run, or the cap reached with every checkpoint held),
         nothing is saved (None). Queues the copy. Returns the checkpoint."""
-        key = checkpoint_key(parent, tail)
-        existing = self._cached(key)
-        if existing is not None:
-            return self._refresh(existing, shared)
-        if self.run_pages:
-            entry = self._save_run(src, parent, tail, pages, key, shared)
-            if entry is not None:
-                return entry
+        key, entry = self._kept_or_run(src, parent, tail, pages, shared)
+        if entry is not None:
+            return entry
         if self.rows.num_free == 0:  # (runs: a free row, when no run fits)
             return None
         (row,) = self.rows.allocate(1)
@@ -248,6 +243,17 @@ class StateCheckpoints:
         self._copies.append(StateCopy(src, row))
         self.rows.free((row,))
         return entry
+
+    def _kept_or_run(
+        self, src: int, parent: ParentKey, tail: np.ndarray, pages: Sequence[int], shared: bool
+    ) -> tuple[bytes, Checkpoint | None]:
+        """The key of (`parent`, `tail`) and its checkpoint: the one kept under it, refreshed, else a new one in
+        a run copied from row `src` (runs only, when one fits), else None."""
+        key = checkpoint_key(parent, tail)
+        existing = self._cached(key)
+        if existing is not None:
+            return key, self._refresh(existing, shared)
+        return key, self._save_run(src, parent, tail, pages, key, shared) if self.run_pages else None
 
     def _cached(self, key: bytes) -> int | None:
         """The id of the checkpoint kept under `key` (in a run, else in a row), or None."""
@@ -265,7 +271,7 @@ class StateCheckpoints:
             if not free:
                 return None
             victim = min(free, key=self._recency.__getitem__)  # lowest priority, then oldest
-            pool.uncache(self._entries[victim].run)  # (`_run_uncached` forgets it)
+            self._drop_entry(self._entries[victim])
         run = pool.allocate(n)  # (may evict pages: of other checkpoints' runs too)
         for i, page in enumerate(run):
             pool.commit(page, run_key(key, i), self.groups[0])
@@ -278,15 +284,8 @@ class StateCheckpoints:
         """Turn live row `row` (about to be freed by its request) into the checkpoint (`parent`, `tail`):
         no copy (an existing checkpoint of that key is refreshed instead). With runs, a copy into a run
         first (it outlives the row's next use); the row itself when no run fits. Returns the checkpoint."""
-        key = checkpoint_key(parent, tail)
-        existing = self._cached(key)
-        if existing is not None:
-            return self._refresh(existing, False)
-        if self.run_pages:
-            entry = self._save_run(row, parent, tail, pages, key, False)
-            if entry is not None:
-                return entry
-        return self._add(row, parent, tail, pages, key, False)
+        key, entry = self._kept_or_run(row, parent, tail, pages, False)
+        return entry if entry is not None else self._add(row, parent, tail, pages, key, False)
 
     def _add(
         self, row: int, parent: ParentKey, tail: np.ndarray, pages: Sequence[int], key: bytes, shared: bool,
@@ -489,7 +488,7 @@ class StateCheckpoints:
         """Drop every checkpoint nobody is restoring; returns how many."""
         runs = [e for e in self._entries.values() if e.run and not self._held(e)]
         for entry in runs:
-            self.token_pool.uncache(entry.run)
+            self._drop_entry(entry)
         return len(runs) + self.rows.reset_prefix_cache()
 
     # ----------------------------------------------------------------- invariants
