@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import queue
 import sys
 import threading
@@ -199,11 +198,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Serve until interrupted; prints the ready line on stdout."""
     import torch
-    from aiohttp import web
 
     from pagedkv.demo import build_llama
     from pagedkv.engine import LLMEngine
     from pagedkv.observability import ZmqEventPublisher
+    from pagedkv.router.service import serve_app
 
     torch.set_num_threads(args.threads)
     heads = max(1, args.hidden // 16)
@@ -220,21 +219,12 @@ def main(args: argparse.Namespace) -> int:
     worker = EngineWorker(engine, pub)
     worker.start()
 
-    async def serve() -> None:
-        runner = web.AppRunner(make_app(worker, args.name), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port)
-        await site.start()
-        port = runner.addresses[0][1]
-        ready = {"name": args.name, "url": f"http://{args.host}:{port}", "events": pub.endpoint,
-                 "replay": pub.replay_endpoint, "topic": args.topic, "page_size": args.page_size}  # fmt: skip
-        print(json.dumps(ready), flush=True)
-        await asyncio.Event().wait()
+    def ready(port: int) -> dict[str, Any]:
+        return {"name": args.name, "url": f"http://{args.host}:{port}", "events": pub.endpoint,
+                "replay": pub.replay_endpoint, "topic": args.topic, "page_size": args.page_size}  # fmt: skip
 
     try:
-        asyncio.run(serve())
-    except KeyboardInterrupt:
-        pass
+        serve_app(make_app(worker, args.name), args.host, args.port, ready)
     finally:
         worker.stop()
         pub.close()

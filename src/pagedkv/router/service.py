@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,27 +213,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Serve until interrupted; prints ``{"url": ...}`` on stdout when ready."""
-    from aiohttp import web
-
     config = load_config(args.config)
     index = PrefixIndex(config.engines)
     router = Router(index, config.policy)
-
-    async def serve() -> None:
-        runner = web.AppRunner(make_app(router, config), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port)
-        await site.start()
-        print(json.dumps({"url": f"http://{args.host}:{runner.addresses[0][1]}"}), flush=True)
-        await asyncio.Event().wait()
-
     try:
-        asyncio.run(serve())
-    except KeyboardInterrupt:
-        pass
+        serve_app(make_app(router, config), args.host, args.port, lambda port: {"url": f"http://{args.host}:{port}"})
     finally:
         index.close()
     return 0
+
+
+def serve_app(app: Any, host: str, port: int, ready: Callable[[int], dict[str, Any]]) -> None:
+    """Serve the aiohttp `app` on `host`:`port` (0: a free port) until interrupted; once it listens, print
+    ``ready(bound port)`` as one JSON line on stdout (what a parent process waits for)."""
+    from aiohttp import web
+
+    async def serve() -> None:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        print(json.dumps(ready(runner.addresses[0][1])), flush=True)
+        await asyncio.Event().wait()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve())
 
 
 def cli(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - `python -m` entry
