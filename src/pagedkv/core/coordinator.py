@@ -122,8 +122,8 @@ class KVCacheCoordinator:
         if st is None:
             raise ValueError(f"Attempted to release request ID {request_id!r} but it is not claimed")
         del self._reqs[request_id]
-        release_request(self.states, self.hasher, self.pool, self.groups, st, request_id,
-                        self.enable_prefix_caching)  # fmt: skip
+        release_request(self.states, self.hasher, self.pool, self.groups, st, request_id, self.enable_prefix_caching,
+                        self.tier_groups.decoder, self.tier_groups.state)  # fmt: skip
 
     # ----------------------------------------------------------------- alloc
     def alloc(self, ctx: TextContext, num_scheduled_tokens: int | None = None) -> None:

@@ -99,14 +99,13 @@ def release_rows(
 
 def release_request(
     states: StateCheckpoints | None, hasher: PrefixHasher, pool: BlockPool, groups: Sequence[GroupManager],
-    st: HybridRequest, request_id: Hashable, caching: bool,
+    st: HybridRequest, request_id: Hashable, caching: bool, tokens: Sequence[int], state: int,
 ) -> None:  # fmt: skip
     """Free a released request's pages in every group (tail first, `release_order`) and its state rows
-    (`release_rows`: its last state may become a checkpoint). A checkpoint in a run is saved once the request's
-    private pages are free, the pages it resumes over held meanwhile (`held_for_release`), so taking a run
-    never evicts them; a checkpoint in rows is kept before any page is freed."""
-    tokens = [g.group for g in groups if not g.reads_encoder and not g.state_slots]
-    state = next((g.group for g in groups if g.state_slots), -1)
+    (`release_rows`: its last state may become a checkpoint; `tokens`: the token groups, `state`: the first
+    state group). A checkpoint in a run is saved once the request's private pages are free, the pages it
+    resumes over held meanwhile (`held_for_release`), so taking a run never evicts them; a checkpoint in
+    rows is kept before any page is freed."""
     late = states is not None and states.run_pages > 0
     keep = held_for_release(st, tokens, hasher.page_size, pool.null_block) if late and caching else []
     pool.hold(keep)
