@@ -13,7 +13,7 @@ from pagedkv.bench.compare.pagedkv_adapter import BeladyAdapter, PagedKVAdapter,
 from pagedkv.bench.compare.report import format_markdown, policy_verdict, write_plots
 from pagedkv.bench.compare.run import POLICIES, capacities, run_compare
 from pagedkv.bench.compare.sim import SimConfig, simulate
-from pagedkv.bench.workloads import WORKLOADS, TraceRequest, ideal_hit_rates, make_trace, unique_pages
+from pagedkv.bench.workloads import WORKLOADS, TraceRequest, decode_trace, ideal_hit_rates, make_trace, unique_pages
 from pagedkv.cli import main, parser
 
 PS = 16
@@ -137,9 +137,30 @@ def test_cli_compare_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     data = json.loads(out.read_text())
     assert [r["manager"] for r in data["rows"]] == ["pagedkv-lru"] and data["rows"][0]["hit_rate"] == 0.0
     assert data["config"]["default_manager"] == "pagedkv-lru"  # the row that runs KVCacheParams' defaults
-    assert "| nosharing |" in capsys.readouterr().out
+    assert set(data["decode"]) == {"pagedkv-lru"} and 0 < data["decode"]["pagedkv-lru"] < 100
+    text = capsys.readouterr().out
+    assert "| nosharing |" in text and "### Plain decode step" in text
     assert main(["bench", "compare", "--from-json", str(out)]) == 0  # re-render without replaying
     assert "| nosharing | " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_plain_decode_steps_are_timed_on_their_own(page_size: int) -> None:
+    """`decode_trace`: 2 full pages + 1 token, then page_size - 1 new tokens. The prefill step makes the first
+    one; each of the other page_size - 2 is a plain decode step for all 8 requests at once."""
+    trace = decode_trace(page_size, 8)
+    assert [(r.prompt_len, r.output_len) for r in trace] == [(2 * page_size + 1, page_size - 1)] * 8
+    adapter = PagedKVAdapter("pagedkv-lru", compare_params(page_size), 64)
+    res = simulate(adapter, trace, SimConfig(page_size=page_size))
+    assert res.decode_request_steps == 8 * (page_size - 2) and res.request_steps == 8 * (page_size - 1)
+    assert 0 < res.decode_seconds < res.seconds["extend"] + res.seconds["advance"]
+    assert res.decode_us == pytest.approx(1e6 * res.decode_seconds / res.decode_request_steps)
+    untimed = simulate(PagedKVAdapter("pagedkv-lru", compare_params(page_size), 64), trace, SimConfig())
+    assert untimed.decode_request_steps == 0 and untimed.decode_us == 0.0
+    if page_size == 4:  # 4 prompts a step: r0-r3, then r4-r6 and 5 tokens of r7's; only steps 4 (r4-r7) and 5
+        # (r7) have nobody waiting or prefilling (steps 2 and 3 had a queue, or r7's prefill)
+        budget = SimConfig(max_num_batched_tokens=4 * (2 * page_size + 1), page_size=page_size)
+        assert simulate(PagedKVAdapter("x", compare_params(page_size), 64), trace, budget).decode_request_steps == 5
 
 
 def test_cli_default_policies_are_the_benchmarks() -> None:

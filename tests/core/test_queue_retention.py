@@ -161,3 +161,93 @@ def test_a_hybrid_coordinator_keeps_a_waiting_requests_pages_in_every_group(expe
     c.release("s")
     assert serve_c("a2", prompt(100)) == (2 * PS if expect else 0)
     assert c.wants.entries == {}
+
+
+def test_a_set_aside_page_nobody_wants_any_more_goes_first() -> None:
+    """Eviction passes a wanted page and sets it aside; when its want ends it is the oldest free page, so it goes
+    before every page still listed (as the keyed order, where its rank drops back, evicts it)."""
+    pool = BlockPool(4)
+    pages = pool.allocate(4)
+    for i, page in enumerate(pages):
+        pool.commit(page, bytes([i]) * 32)
+    pool.free(pages)
+    pool.want([bytes([0]) * 32], ticket=1)
+    assert pool.allocate(1) == [pages[1]]  # pages[0] is set aside
+    pool.check_integrity({pages[1]: 1})
+    pool.want([bytes([0]) * 32], ticket=1, delta=-1)
+    assert pool.free_order() == [pages[0], pages[2], pages[3]]
+    assert pool.allocate(2) == [pages[0], pages[2]]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_lazy_wants_evict_exactly_as_the_keyed_order(seed: int) -> None:
+    """The list policy keeps wants lazily (`WantedPages`); the keyed `HeapOrder` ranks every free page. Under LRU
+    both give the same eviction order: random commits (with duplicate keys), frees, hits, wants and withdrawals,
+    pins, uncaching and resets on one pool of each kind give the same pages, and `free_order` predicts them."""
+    import collections
+    import random
+
+    rng = random.Random(seed)
+    lazy, keyed = BlockPool(24), BlockPool(24)
+    keyed.keyed_order()
+    held: collections.Counter[int] = collections.Counter()
+    pins: list[list[tuple[int, int]]] = []
+    wants: list[tuple[list[bytes], float]] = []
+    keys = [bytes([k]) * 32 for k in range(40)]
+    for _ in range(600):
+        op = rng.random()
+        free = lazy.num_free - lazy.num_protected
+        if op < 0.25 and free:
+            n = rng.randint(1, min(4, free))
+            predicted = lazy.free_order()[:n]
+            got = lazy.allocate(n)
+            other = keyed.allocate(n)
+            assert got == other == predicted, (got, other, predicted)
+            for page in got:
+                held[page] += 1
+                key = rng.choice(keys)
+                if rng.random() < 0.8 and lazy.cached_page(key) is None:
+                    assert lazy.commit(page, key) == keyed.commit(page, key) == page
+        elif op < 0.45 and held:
+            pages = rng.sample(sorted(held), rng.randint(1, min(3, len(held))))
+            for page in pages:
+                held[page] -= 1
+                held += collections.Counter()  # (drops zero counts)
+            lazy.free(pages)
+            keyed.free(pages)
+        elif op < 0.55:
+            page = lazy.cached_page(rng.choice(keys))
+            if page is not None:
+                lazy.touch([page])
+                keyed.touch([page])
+                held[page] += 1
+        elif op < 0.75:
+            want = (rng.sample(keys, rng.randint(1, 5)), float(rng.randint(1, 6)))
+            lazy.want(*want)
+            keyed.want(*want)
+            wants.append(want)
+        elif op < 0.88 and wants:
+            want = wants.pop(rng.randrange(len(wants)))
+            lazy.want(*want, delta=-1)
+            keyed.want(*want, delta=-1)
+        elif op < 0.92:
+            cached = [p for p in (lazy.cached_page(k) for k in keys) if p is not None]
+            if cached:
+                chosen = rng.sample(cached, min(2, len(cached)))
+                pins.append(lazy.pin(chosen))
+                keyed.pin(chosen)
+        elif op < 0.95 and pins:
+            pinned = pins.pop(rng.randrange(len(pins)))
+            lazy.unpin(pinned)
+            keyed.unpin(pinned)
+        elif op < 0.97:
+            assert lazy.reset_prefix_cache() == keyed.reset_prefix_cache()
+        else:
+            cached = [p for p in (lazy.cached_page(k) for k in keys) if p is not None]
+            chosen = rng.sample(cached, min(2, len(cached)))
+            assert lazy.uncache(chosen) == keyed.uncache(chosen)
+        live_pins = collections.Counter(p for pinned in pins for p, stamp in pinned if lazy.stamp(p) == stamp)
+        lazy.check_integrity(held, live_pins)
+        keyed.check_integrity(held, live_pins)
+        assert lazy._order is None
+        assert [lazy.cached_page(k) for k in keys] == [keyed.cached_page(k) for k in keys]

@@ -121,3 +121,12 @@ def test_bench_compare_has_a_max_column(worker: MaxWorker, tmp_path: Path, capsy
     assert rows["max"]["request_steps"] == rows["pagedkv-lru-step"]["request_steps"]
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| workload | pages |"))
     assert header.rstrip(" |").endswith("max")
+
+
+def test_plain_decode_steps_are_timed_in_maxs_process(worker: MaxWorker) -> None:
+    """The decode-step figure of `bench compare`: MAX's worker times the same plain decode steps."""
+    from pagedkv.bench.workloads import decode_trace
+
+    res = worker.replay(64, 4, SimConfig(page_size=4), trace=decode_trace(4, 8))
+    assert res.decode_request_steps == 8 * 2 and res.decode_us > 0
+    assert worker.replay(64, 4, SimConfig(), trace=decode_trace(4, 8)).decode_request_steps == 0

@@ -32,7 +32,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["VOCAB", "WORKLOADS", "TraceRequest", "ideal_hit_rates", "make_trace", "shared_prefix_trace", "unique_pages"]
+__all__ = [
+    "VOCAB",
+    "WORKLOADS",
+    "TraceRequest",
+    "decode_trace",
+    "ideal_hit_rates",
+    "make_trace",
+    "shared_prefix_trace",
+    "unique_pages",
+]
 
 VOCAB = 32_000
 
@@ -162,6 +171,14 @@ def nosharing(n: int, rng: np.random.Generator) -> list[TraceRequest]:
 WORKLOADS: dict[str, Callable[[int, np.random.Generator], list[TraceRequest]]] = {
     "zipf": zipf, "multiturn": multiturn, "fewshot": fewshot, "docqa": docqa, "nosharing": nosharing,
 }  # fmt: skip
+
+
+def decode_trace(page_size: int, num_requests: int = 256, seed: int = 0) -> list[TraceRequest]:
+    """Requests that share nothing and decode together (`bench compare`'s decode-step figure): prompts of two
+    full pages and one token, then ``page_size - 1`` generated tokens, so that after the prefill no step of a
+    request takes a new page or fills one."""
+    rng = np.random.default_rng([seed, 1 + len(WORKLOADS)])
+    return [_request(i, _tokens(rng, 2 * page_size + 1), _tokens(rng, page_size - 1)) for i in range(num_requests)]
 
 
 def make_trace(name: str, num_requests: int, seed: int = 0) -> list[TraceRequest]:

@@ -41,10 +41,7 @@ its own prefix cache (the same prefix hash maps to a different page in each).
 
 from __future__ import annotations
 
-import bisect
-import contextlib
 from array import array
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
@@ -56,15 +53,15 @@ from pagedkv.core.eviction import (
     NONE,
     PROBATION,
     PROTECTED,
+    WANTED,
     ArcState,
     FreeLists,
     HeapOrder,
     check_order,
 )
 from pagedkv.core.hashing import BlockHash
+from pagedkv.core.wanted import WantedPages
 from pagedkv.validation import INT32_MAX, check_eviction, check_int
-
-_UNWANTED = float("-inf")  # the queue rank of a page no waiting request wants (evicted first)
 
 __all__ = ["BlockPool"]
 
@@ -116,10 +113,11 @@ class BlockPool:
         self.on_removed: Callable[[BlockHash, int], None] | None = None  # (hash, group) of each page forgotten
         self.on_uncached: list[Callable[[int], None]] = []  # called with each page that loses its hash
         self.leaves_first = leaves_first
+        self._wants = WantedPages(self._lists, self._hash, self._caches)  # queue-aware retention
+        self._wanted = self._wants.tickets  # prefix keys -> tickets of waiting requests (`want`)
         self._order: HeapOrder | None = None
         if eviction_policy == "lfu" or leaves_first:
             self.keyed_order()
-        self._wanted: dict[BlockHash, deque[float]] = {}  # prefix keys -> tickets of waiting requests (`want`)
 
     # ------------------------------------------------------------------ mutations
     def touch(self, pages: Iterable[int]) -> None:
@@ -179,70 +177,66 @@ class BlockPool:
         return list(pages)
 
     def _evict(self, n: int) -> list[int]:
-        lists, count, fresh = self._lists, self._lists.count, self._fresh
+        lists, fresh = self._lists, self._fresh
         pages = []
-        order, arc = self._order, self.arc
+        order = self._order
         evicted = 0
         for _ in range(n):
             if fresh:  # (an `on_uncached` hook freed more pages with a victim: a checkpoint's run)
                 pages.append(fresh.pop())
                 continue
             evicted += 1
-            if order is not None:
-                page = order.victim()
-            elif arc is not None:
-                t1 = arc.from_probation(count[PROBATION], count[LRU])
-                page = lists.head(PROBATION if t1 else LRU)
-                arc.evicted(self._hash[page], t1)  # type: ignore[arg-type]
-            else:
-                page = lists.head(PROBATION if count[PROBATION] else LRU)
+            page = order.victim() if order is not None else self._list_victim()
             lists.unlink(page)
             self._uncache(page)
             pages.append(page)
         self.num_evictions += evicted
         return pages
 
+    def _list_victim(self) -> int:
+        """The next page to evict by list order (ARC's split, else probation first), setting aside each wanted
+        page it passes (`WantedPages`): set-aside pages nobody wants any more go first, wanted ones last."""
+        lists, count, arc, wants = self._lists, self._lists.count, self.arc, self._wants
+        tickets, hashes = wants.tickets, self._hash
+        if wants.released and (page := wants.victim(unwanted_only=True)) >= 0:
+            return page
+        while count[PROBATION] or count[LRU]:
+            t1 = arc.from_probation(count[PROBATION], count[LRU]) if arc is not None else count[PROBATION] > 0
+            page = lists.head(PROBATION if t1 else LRU)
+            if tickets and hashes[page] in tickets:
+                wants.set_aside(page)
+                continue
+            if arc is not None:
+                arc.evicted(hashes[page], t1)  # type: ignore[arg-type]
+            return page
+        return wants.victim()  # (>= 0: the pool's free count includes every set-aside page)
+
     def want(self, keys: Iterable[BlockHash], ticket: float, delta: int = 1) -> None:
         """Queue-aware retention: a waiting request (its place in the queue: `ticket`, lower is sooner) will hit
-        the pages cached under `keys` (in every group: a hybrid model's groups share the prefix keys); `delta` -1 withdraws that want. Free cached pages no waiting
-        request wants are evicted first (in the policy's order), then wanted ones, those wanted latest first
-        (Belady's rule over the known queue); retention priorities still come first. The first want switches
-        the pool to its keyed order (`keyed_order`)."""
-        order = self.keyed_order()
+        the pages cached under `keys` (in every group: a hybrid model's groups share the prefix keys); `delta`
+        -1 withdraws that want. Free cached pages no waiting request wants are evicted first (in the policy's
+        order), then wanted ones, those wanted latest first (Belady's rule over the known queue); retention
+        priorities still come first. Costs O(keys), plus the pages already set aside (`WantedPages`)."""
+        changed = self._wants.update(keys, ticket, delta)
+        order = self._order
+        if order is None:
+            if changed and self._lists.count[WANTED]:
+                self._wants.reranked(changed)
+            return
         if order.rank is None:  # (every evictable page gets its rank: unwanted ones go first from now on)
             order.rank = self._rank
             for page in [*self._lists.pages(PROBATION), *self._lists.pages(LRU)]:
                 order.listed(page, refresh=False)
-        wanted, caches, where = self._wanted, self._caches, self._lists.where
-        for key in keys:
-            tickets = wanted.get(key)
-            first = tickets[0] if tickets else None
-            if delta > 0:
-                if tickets is None:
-                    tickets = wanted[key] = deque((ticket,))
-                elif ticket >= tickets[-1]:
-                    tickets.append(ticket)
-                elif ticket <= tickets[0]:
-                    tickets.appendleft(ticket)
-                else:  # (a request queued between two others: rare)
-                    tickets.insert(bisect.bisect_left(list(tickets), ticket), ticket)
-            elif tickets is not None:
-                if first == ticket:  # (the queue's head leaves first: O(1))
-                    tickets.popleft()
-                else:
-                    with contextlib.suppress(ValueError):
-                        tickets.remove(ticket)
-                if not tickets:
-                    del wanted[key]
-            now = wanted[key][0] if key in wanted else None
-            for cache in caches if now != first else ():  # (its rank changed: a new heap entry in every group)
+            return
+        where = self._lists.where
+        for key in changed:  # (its rank changed: a new heap entry in every group)
+            for cache in self._caches:
                 cached = cache.get(key)
                 if cached is not None and where[cached] in (LRU, PROBATION):
                     order.listed(cached, refresh=False)
 
     def _rank(self, page: int) -> float:
-        tickets = self._wanted.get(self._hash[page])  # type: ignore[arg-type]
-        return -tickets[0] if tickets else _UNWANTED
+        return self._wants.rank(self._hash[page])
 
     def can_allocate_unwanted(self, n: int) -> bool:
         """Whether `allocate(n)` can take its pages without evicting a free cached page some waiting request
@@ -252,7 +246,7 @@ class BlockPool:
             return free >= n
         slack, where, count = free - n, self._lists.where, 0
         for page in (cache.get(key) for key in self._wanted for cache in self._caches):
-            count += page is not None and where[page] in (LRU, PROBATION)
+            count += page is not None and where[page] in (LRU, PROBATION, WANTED)
             if count > slack:
                 return False
         return True
@@ -372,6 +366,9 @@ class BlockPool:
     def _list_for(self, page: int) -> int:
         if self._pins[page] and self._lists.count[PROTECTED] < self.max_protected:
             return PROTECTED
+        return self._unpinned_list(page)
+
+    def _unpinned_list(self, page: int) -> int:
         return PROBATION if self._slru and not self._reused[page] else LRU
 
     def commit(self, page: int, block_hash: BlockHash, group: int = 0, parent: int = -1) -> int:
@@ -423,6 +420,7 @@ class BlockPool:
 
         Pages in use or pinned keep their hashes, so running requests still commit and hit.
         """
+        self._wants.restore_all(self._unpinned_list)  # (set-aside pages back at their lists' heads, oldest first)
         pages = [*self.list_pages(LRU), *self.list_pages(PROBATION)]
         done = []
         for page in pages:
@@ -463,8 +461,11 @@ class BlockPool:
     def keyed_order(self) -> HeapOrder:
         """The keyed eviction order, built on first use from the lists' current order."""
         if self._order is None:
+            self._wants.restore_all(self._unpinned_list)  # (the heap ranks wanted pages from now on)
             order = HeapOrder(self.num_blocks, self._lists, self._reused, self._stamp, self.eviction_policy,
                               self.leaves_first)  # fmt: skip
+            if self._wants:
+                order.rank = self._rank
             for page in [*self._lists.pages(PROBATION), *self._lists.pages(LRU)]:
                 order.listed(page)
             self._order = order
@@ -475,7 +476,7 @@ class BlockPool:
     def num_free(self) -> int:
         """Pages an allocation can take: fresh plus cached free (protected ones included)."""
         count = self._lists.count
-        return len(self._fresh) + count[LRU] + count[PROTECTED] + count[PROBATION]
+        return len(self._fresh) + count[LRU] + count[PROTECTED] + count[PROBATION] + count[WANTED]
 
     @property
     def num_protected(self) -> int:
@@ -531,23 +532,20 @@ class BlockPool:
 
     def lookup(self, hashes: list[BlockHash], start: int, stop: int, group: int = 0) -> list[int]:
         """Cached pages for ``hashes[start:stop]`` in `group`, stopping at the first miss. No side effects."""
-        get = self._caches[group].get
-        hits: list[int] = []
-        for i in range(start, stop):
-            page = get(hashes[i])
-            if page is None:
-                break
-            hits.append(page)
-        return hits
+        hits = list(map(self._caches[group].get, hashes[start:stop]))
+        return hits[: hits.index(None)] if None in hits else hits  # type: ignore[return-value]
 
     def count_unreferenced(self, pages: Iterable[int]) -> int:
         """How many of `pages` have ref 0 (touching them takes them out of the free count)."""
-        ref = self._ref
-        return sum(1 for p in pages if ref[p] == 0)
+        return list(map(self._ref.__getitem__, pages)).count(0)
 
     def free_order(self) -> list[int]:
-        """The free pages in the order allocations will take them."""
-        return [*reversed(self._fresh), *self.list_pages(PROBATION), *self.list_pages(LRU), *self.list_pages(PROTECTED)]
+        """The free pages in the order allocations will take them (list order under ARC, keyed order ignored)."""
+        listed = [*self.list_pages(PROBATION), *self.list_pages(LRU)]
+        if self._order is not None or not (self._wants or self._lists.count[WANTED]):
+            return [*reversed(self._fresh), *listed, *self.list_pages(PROTECTED)]
+        unwanted, wanted = [p for p in listed if self._hash[p] not in self._wanted], self._wants.ordered(listed)
+        return [*reversed(self._fresh), *wanted[0], *unwanted, *wanted[1], *self.list_pages(PROTECTED)]
 
     def list_pages(self, which: int) -> Iterator[int]:
         """The pages of free list `which` (1: LRU, 2: protected, 3: SLRU probation), head first."""
@@ -566,7 +564,7 @@ class BlockPool:
         pins = pins or {}
         n, ref, hashes, where = self.num_blocks, self._ref, self._hash, self._lists.where
         fresh = list(self._fresh)
-        lists = [self._lists.checked_pages(which) for which in (LRU, PROTECTED, PROBATION)]
+        lists = [self._lists.checked_pages(which) for which in (LRU, PROTECTED, PROBATION, WANTED)]
         fresh_set, cached_set = set(fresh), {p for pages in lists for p in pages}
         require(len(fresh_set) == len(fresh), f"fresh stack has duplicates: {sorted(fresh)}")
         require(not fresh_set & cached_set, f"pages both fresh and cached-free: {sorted(fresh_set & cached_set)}")
@@ -595,6 +593,7 @@ class BlockPool:
         n_hashed = sum(h is not None for h in hashes)
         require(n_hashed == self.num_cached, f"{n_hashed} hashed pages but {self.num_cached} cache entries")
         require(self.enable_prefix_caching or not self.num_cached, "prefix cache used while disabled")
+        self._wants.check(keyed=self._order is not None)
         if self._order is not None:
             errors = check_order(self._order, hashes)
             require(not errors, "; ".join(errors))

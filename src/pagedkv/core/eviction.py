@@ -48,25 +48,25 @@ from pagedkv.core.errors import require
 from pagedkv.core.hashing import BlockHash
 
 __all__ = [
-    "FreeLists", "NONE", "LRU", "PROTECTED", "PROBATION", "ArcState", "HeapOrder", "check_order",
+    "FreeLists", "NONE", "LRU", "PROTECTED", "PROBATION", "WANTED", "ArcState", "HeapOrder", "check_order",
     "DEFAULT_PRIORITY", "MAX_PRIORITY", "KEYED_POLICIES",
 ]  # fmt: skip
 
-NONE, LRU, PROTECTED, PROBATION = 0, 1, 2, 3  # list ids (NONE: in no list)
+NONE, LRU, PROTECTED, PROBATION, WANTED = 0, 1, 2, 3, 4  # list ids (NONE: in no list; WANTED: `wanted`)
 
 
 class FreeLists:
-    """Three lists (LRU, PROTECTED, PROBATION) of pages in ``[0, n)``, each head = oldest."""
+    """Four lists (LRU, PROTECTED, PROBATION, WANTED) of pages in ``[0, n)``, each head = oldest."""
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.prev = array("i", [0]) * (n + 4)
-        self.next = array("i", [0]) * (n + 4)
-        self.sentinel = (0, n + 1, n + 2, n + 3)  # indexed by list id (slot n is the null page's)
+        self.prev = array("i", [0]) * (n + 5)
+        self.next = array("i", [0]) * (n + 5)
+        self.sentinel = (0, n + 1, n + 2, n + 3, n + 4)  # indexed by list id (slot n is the null page's)
         for s in self.sentinel[1:]:
             self.prev[s] = self.next[s] = s  # empty circular lists
         self.where = bytearray(n)  # the list each page is in
-        self.count = [0, 0, 0, 0]  # pages per list
+        self.count = [0, 0, 0, 0, 0]  # pages per list
 
     def unlink(self, page: int) -> None:
         """Take `page` out of its list (it must be in one)."""
@@ -85,6 +85,17 @@ class FreeLists:
         prv[page] = tail
         nxt[page] = sentinel
         prv[sentinel] = page
+        self.count[which] += 1
+        self.where[page] = which
+
+    def prepend(self, page: int, which: int) -> None:
+        """Put `page` (in no list) at the head of list `which` (next to go)."""
+        prv, nxt, sentinel = self.prev, self.next, self.sentinel[which]
+        head = nxt[sentinel]
+        prv[head] = page
+        nxt[page] = head
+        prv[page] = sentinel
+        nxt[sentinel] = page
         self.count[which] += 1
         self.where[page] = which
 

@@ -11,7 +11,6 @@ request's first allocation succeeds (`unexpect`), and is keyed again after a wei
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from operator import attrgetter
 
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.context import RequestID, TextContext
@@ -21,7 +20,6 @@ from pagedkv.core.tables import RequestPages, more_keys
 __all__ = ["QueueWants"]
 
 _NO_REQUEST = RequestPages()  # (no hashes yet: `more_keys` reads a waiting context's keys from its memo)
-_REQUEST_ID = attrgetter("request_id")
 
 
 class QueueWants:
@@ -35,7 +33,7 @@ class QueueWants:
         # more keys a waiting context wants besides its prefix pages (its state checkpoint's run: see
         # `KVCacheCoordinator`), from the context and its prefix keys
         self.extra: Callable[[TextContext, list[BlockHash]], list[BlockHash]] | None = None
-        self._last: tuple[list[RequestID], str | None] | None = None  # the last call's queue and weights version
+        self._last: tuple[list[TextContext], str | None] | None = None  # the last call's queue and weights version
         self._keyed: object = object()  # the weights version every entry was last checked under
 
     def __bool__(self) -> bool:
@@ -45,13 +43,13 @@ class QueueWants:
         """Want the prefixes of `contexts` (the waiting queue's head, in order), skipping those `started`
         says are admitted or resumed already; returns how many were newly expected. TypeError for a
         non-`TextContext`, before anything changes. The same queue as the last call, under the same weights
-        version, changes nothing and costs one comparison (the scheduler tells it every step)."""
+        version, changes nothing and costs one comparison of the same objects (the scheduler tells it every step)."""
+        queue = (list(contexts), self.hasher.version)
+        if queue == self._last:  # (the same context objects: checked already)
+            return 0
         if not set(map(type, contexts)) <= {TextContext}:
             bad = next(c for c in contexts if type(c) is not TextContext)
             raise TypeError(f"contexts holds {type(bad).__name__}, expected TextContext")
-        queue = (list(map(_REQUEST_ID, contexts)), self.hasher.version)
-        if queue == self._last:
-            return 0
         rekey = queue[1] != self._keyed  # (roots change with the weights version only)
         self._last, self._keyed = queue, queue[1]
         entries, added = self.entries, 0

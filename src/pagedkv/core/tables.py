@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -106,11 +107,14 @@ def lut_columns(num_pages: int) -> int:
     return -(-num_pages // 8) * 8 + 16
 
 
+_REQUEST_ID = attrgetter("request_id")
+
+
 def claimed_states(reqs: Mapping[Hashable, Any], batch: Sequence[TextContext]) -> list[Any]:
     """The request states of `batch`, in order; ValueError naming the first request not claimed
     (the hot path of `step`: one dict lookup per request, no duplicate check)."""
     try:
-        return [reqs[ctx.request_id] for ctx in batch]
+        return list(map(reqs.__getitem__, map(_REQUEST_ID, batch)))
     except KeyError as missing:
         raise ValueError(f"request {missing.args[0]!r} is not claimed: call claim() first") from None
 

@@ -46,7 +46,7 @@ from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer
 from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs
 from pagedkv.runtime.state_buffers import StateCacheBuffer
 from pagedkv.runtime.transfer import tables_to_device
-from pagedkv.validation import check_weights_version
+from pagedkv.validation import INT32_MAX, check_weights_version
 
 __all__ = ["PagedKVCacheManager"]
 
@@ -176,11 +176,11 @@ class PagedKVCacheManager:
 
         Raises `InsufficientBlocksError` when the pool is too full; nothing changes then.
         """
-        bm = self._managers[replica_idx] if type(replica_idx) is int and 0 <= replica_idx < self.num_replicas else None
-        if bm is None:  # inlined `_bm`: this is the per-request hot path
-            bm = self._bm(replica_idx)
-        if type(data) is not TextContext or num_scheduled_tokens is not None:  # (types and counts, before anything)
-            checks.check_alloc(data, num_scheduled_tokens)
+        valid = type(replica_idx) is int and 0 <= replica_idx < self.num_replicas  # (inlined `_bm`: the hot path)
+        bm = self._managers[replica_idx] if valid else self._bm(replica_idx)
+        n = num_scheduled_tokens  # (types and counts, before anything: a plain int in range passes at once)
+        if type(data) is not TextContext or (n is not None and (type(n) is not int or not 0 < n <= INT32_MAX)):
+            checks.check_alloc(data, n)
         if self.tiers.state_connectors:  # checkpoint images on their way down are read before alloc evicts them
             self.tiers.before_alloc()
         bm.alloc(data, num_scheduled_tokens)

@@ -167,7 +167,7 @@ def _serve(job: dict[str, Any], traces: dict[tuple[Any, ...], list[TraceRequest]
             traces.clear()  # one workload at a time
             traces[key] = make_trace(*key)
         trace = traces[key]
-    config = SimConfig(job["max_num_seqs"], job["max_num_batched_tokens"])
+    config = SimConfig(job["max_num_seqs"], job["max_num_batched_tokens"], job.get("decode_page_size"))
     adapter = MaxAdapter(job["num_pages"], job["page_size"], config.max_num_seqs)
     with gc_frozen():
         res = simulate(adapter, trace, config)
@@ -242,7 +242,8 @@ class MaxWorker:
                workload: str | None = None, num_requests: int = 0, seed: int = 0) -> SimResult:  # fmt: skip
         """One replay: a hand-made `trace`, or `make_trace(workload, num_requests, seed)` rebuilt in the worker."""
         job: dict[str, Any] = {"num_pages": num_pages, "page_size": page_size, "max_num_seqs": config.max_num_seqs,
-                               "max_num_batched_tokens": config.max_num_batched_tokens}  # fmt: skip
+                               "max_num_batched_tokens": config.max_num_batched_tokens,
+                               "decode_page_size": config.page_size}  # fmt: skip
         if trace is not None:
             job["requests"] = trace_to_json(trace)
         else:

@@ -73,6 +73,13 @@ def format_markdown(result: dict[str, Any]) -> str:
         ratios = [f"{row[BASE]['bookkeeping_us'] / row[p]['bookkeeping_us']:.2f}" if p else "-" for p in both]
         deltas = [f"{100 * (row[BASE]['hit_rate'] - row[p]['hit_rate']):+.2f}" if p else "-" for p in both]
         lines.append(f"| {w} | {pages} | {' | '.join(us + ratios + deltas)} |")
+    if result.get("decode"):
+        decode = result["decode"]
+        lines += ["", "### Plain decode step (one token, no page taken or filled), µs per request", ""]
+        lines += [f"| {' | '.join(decode)} | {' | '.join(f'{BASE}/{p}' for p in decode if p != BASE)} |",
+                  "|---" * (2 * len(decode) - 1) + "|"]  # fmt: skip
+        ratios = [f"{decode[BASE] / decode[p]:.2f}" for p in decode if p != BASE and BASE in decode]
+        lines.append(f"| {' | '.join(f'{v:.2f}' for v in decode.values())} | {' | '.join(ratios)} |")
     lines += ["", "### Prompt hashing, ns per token", ""]
     names = sorted({k for h in result["hashing"].values() for k in h})
     lines += [f"| workload | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]

@@ -18,7 +18,9 @@ The garbage collector is frozen after setup, as vLLM's engine core does.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,9 +31,17 @@ from pagedkv.bench.compare.peer_max import MaxWorker
 from pagedkv.bench.compare.peers import PeerUnavailable, load_peer
 from pagedkv.bench.compare.sim import CacheAdapter, SimConfig, SimResult, simulate
 from pagedkv.bench.timing import gc_frozen
-from pagedkv.bench.workloads import WORKLOADS, TraceRequest, ideal_hit_rates, make_trace, unique_pages
+from pagedkv.bench.workloads import WORKLOADS, TraceRequest, decode_trace, ideal_hit_rates, make_trace, unique_pages
 
-__all__ = ["DEFAULT_MANAGER", "POLICIES", "add_arguments", "command", "hash_ns_per_token", "run_compare"]
+__all__ = [
+    "DEFAULT_MANAGER",
+    "POLICIES",
+    "add_arguments",
+    "command",
+    "decode_costs",
+    "hash_ns_per_token",
+    "run_compare",
+]
 
 # name -> KVCacheParams overrides of pagedkv's configurations
 ON_ALLOC = {"commit_on_alloc": True}  # vLLM's schedule-time caching: same-step admissions share pages
@@ -127,10 +137,11 @@ def run_compare(
                 res = _belady(trace, pages, page_size, order, config)
                 rows.append(_row(workload, pages, res))
                 ticker(workload, pages, res)
+    decode = decode_costs(peers, skipped, page_size, config, max_worker)
     for worker in max_worker:
         worker.close()
     return {
-        "rows": rows, "ideal": ideal, "skipped": skipped, "hashing": hashing,
+        "rows": rows, "ideal": ideal, "skipped": skipped, "hashing": hashing, "decode": decode,
         "config": {"workloads": list(workloads), "num_requests": num_requests, "fractions": list(fractions),
                    "page_size": page_size, "max_num_seqs": config.max_num_seqs,
                    "max_num_batched_tokens": config.max_num_batched_tokens, "seed": seed,
@@ -150,6 +161,37 @@ def _belady(trace: list[TraceRequest], pages: int, page_size: int, order: list[i
     return best
 
 
+def decode_costs(peers: Sequence[str], skipped: dict[str, str], page_size: int, config: SimConfig,
+                 max_worker: list[MaxWorker], repeats: int = 5) -> dict[str, float]:  # fmt: skip
+    """Microseconds of manager calls per request of a plain decode step (one token, no page taken or filled):
+    the defaults' row and each peer replay `decode_trace` (256 requests decoding together), timed by the
+    driver (`SimConfig.page_size`), best of `repeats`. A missing peer is skipped (and noted in `skipped`)."""
+    trace = decode_trace(page_size)
+    pages = 4 * len(trace) * 3  # (ample: three pages a request)
+    timed = dataclasses.replace(config, page_size=page_size)
+    out: dict[str, float] = {}
+    for name in (DEFAULT_MANAGER, *peers):
+        if name in skipped:
+            continue
+        best = math.inf
+        try:
+            for _ in range(repeats):
+                if name == DEFAULT_MANAGER:
+                    adapter = PagedKVAdapter(name, compare_params(page_size, **POLICIES[name]), pages)
+                    res = _replay(adapter, trace, timed)
+                elif name == "max":
+                    max_worker[:] = max_worker or [MaxWorker()]
+                    res = max_worker[0].replay(pages, page_size, timed, trace=trace)
+                else:
+                    res = _replay(load_peer(name, num_pages=pages, page_size=page_size), trace, timed)
+                best = min(best, res.decode_us)
+        except PeerUnavailable as exc:
+            skipped[name] = str(exc)
+            continue
+        out[name] = best
+    return out
+
+
 class _Ticker:
     """Counts finished runs and tells `progress` about each."""
 
@@ -166,10 +208,12 @@ class _Ticker:
 def hash_ns_per_token(trace: list[TraceRequest], page_size: int, peers: Sequence[str],
                       skipped: dict[str, str], repeats: int = 3) -> dict[str, float]:  # fmt: skip
     """Prompt hashing cost per token, best of `repeats` passes over every prompt of `trace`: pagedkv's
-    chain (sha256 and xxh3_128, `timing.hash_ns_per_token`) and vLLM's own block hasher when installed."""
+    chain (sha256 and xxh3_128, `timing.hash_ns_per_token`), the floor of its sha256 chain (the two
+    `hashlib` calls a page, `timing.sha256_chain_floor_ns`) and vLLM's own block hasher when installed."""
     prompts = [r.tokens[: r.prompt_len] for r in trace]
     out = {f"pagedkv_{algo}": timing.hash_ns_per_token(prompts, page_size, algo, repeats, last_page=True)
            for algo in ("sha256", "xxh3_128")}  # fmt: skip
+    out["sha256_chain_floor"] = timing.sha256_chain_floor_ns(prompts, page_size, repeats)
     if "vllm" in peers and "vllm" not in skipped:
         try:
             from pagedkv.bench.compare.peer_vllm import vllm_hash_ns_per_token

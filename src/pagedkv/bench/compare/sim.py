@@ -24,6 +24,10 @@ same calls in the same order:
 A request with ``after`` set (the next turn of a conversation) joins the
 queue only once that request has finished. Time spent inside adapter calls
 is the bookkeeping cost; the driver's own work is not counted.
+
+With ``SimConfig.page_size`` set, the steps that are plain decode steps for every request (one token
+each, none taking a new page or filling one, nothing admitted, preempted or waiting) are also timed
+on their own (``decode_seconds`` over ``decode_request_steps``: new_step + extend + advance).
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ class CacheAdapter(Protocol):
 class SimConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    page_size: int | None = None  # set: time the plain decode steps on their own (see module docstring)
 
 
 @dataclass
@@ -96,6 +101,13 @@ class SimResult:
     peak_used_pages: int = 0
     first_admission_order: list[int] = field(default_factory=list)
     wall_seconds: float = 0.0
+    decode_seconds: float = 0.0  # plain decode steps (`SimConfig.page_size`), new_step + extend + advance
+    decode_request_steps: int = 0
+
+    @property
+    def decode_us(self) -> float:
+        """Microseconds of manager calls per request of a plain decode step (0 when none was timed)."""
+        return 1e6 * self.decode_seconds / self.decode_request_steps if self.decode_request_steps else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -128,6 +140,8 @@ def simulate(
     start = clock()
     lookahead = getattr(adapter, "lookahead", None)
     while waiting or running:
+        plain = config.page_size is not None and not waiting and _plain_decode(running, config.page_size)
+        spent = sec["extend"] + sec["advance"]
         t0 = clock()
         adapter.new_step()
         sec["extend"] += clock() - t0
@@ -144,6 +158,9 @@ def simulate(
         t0 = clock()
         adapter.advance(batch)
         sec["advance"] += clock() - t0
+        if plain and not preempted and len(batch) == len(running):
+            res.decode_seconds += sec["extend"] + sec["advance"] - spent
+            res.decode_request_steps += len(batch)
         res.request_steps += len(batch)
         res.peak_used_pages = max(res.peak_used_pages, adapter.used_pages())
         for r in finished:
@@ -218,6 +235,15 @@ def _admit(adapter: CacheAdapter, waiting: deque, running: list[TraceRequest], b
         running.append(req)
         batch.append((req, n))
         budget -= n
+
+
+def _plain_decode(running: list[TraceRequest], page_size: int) -> bool:
+    """Whether every running request is due a one-token step that neither takes a page nor fills one."""
+    for req in running:
+        n = req.num_tokens
+        if req.num_computed != n - 1 or (n - 1) % page_size == 0 or n % page_size == 0:
+            return False
+    return bool(running)
 
 
 def _forward(batch: list[tuple[TraceRequest, int]]) -> list[TraceRequest]:

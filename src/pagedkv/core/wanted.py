@@ -1,0 +1,167 @@
+"""`WantedPages`: queue-aware retention's wants in one pool, and the order of the free cached pages they keep.
+
+A waiting request (its place in the queue: a ticket, lower is sooner) wants the pages cached under its
+prompt's prefix keys (`BlockPool.want`). Free cached pages nobody wants are evicted first, in the pool's own
+order; then wanted ones, those whose first (soonest) want is latest first, ties in the order the pool's lists
+held them.
+
+Under the list policies (lru, slru, arc, while no page has a retention priority) wants are kept lazily, so
+they cost nothing per freed page: a wanted page stays in its list until eviction reaches it at the head, and
+is then *set aside* into the WANTED list with a heap entry ``(rank, set-aside sequence, page)``, rank =
+minus its first ticket (an entry is live while both still hold). Pages reach the head oldest first, so the sequence keeps their list order. A
+want that changes re-ranks only pages already set aside; one that nobody wants any more ranks `UNWANTED`
+and is evicted before every listed page (older than all of them, it would have gone already). Under a
+keyed `HeapOrder` (lfu, leaves first, priorities) the pool puts the rank into every heap key instead
+(`rank`), and no page is set aside.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import heapq
+from array import array
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from pagedkv.core.errors import require
+from pagedkv.core.eviction import WANTED, FreeLists
+from pagedkv.core.hashing import BlockHash
+
+__all__ = ["WantedPages", "UNWANTED"]
+
+UNWANTED = float("-inf")  # the rank of a page no waiting request wants (evicted first)
+
+
+class WantedPages:
+    """Tickets per prefix key, and the set-aside wanted pages of one pool (see module docstring).
+
+    `lists`, `hashes` and `caches` are the pool's own (shared, not copied)."""
+
+    def __init__(self, lists: FreeLists, hashes: list[BlockHash | None], caches: list[dict[BlockHash, int]]) -> None:
+        self.tickets: dict[BlockHash, deque[float]] = {}  # prefix key -> tickets of the requests wanting it
+        self.lists, self.hashes, self.caches = lists, hashes, caches
+        self.heap: list[tuple[float, int, int]] = []  # (rank, sequence, page); stale entries are skipped
+        self.sequence = array("q", [0]) * lists.n  # when each set-aside page was set aside
+        self.next_sequence = 0
+        self.released = False  # a set-aside page may have lost its last want since the last check (`victim`)
+
+    def __bool__(self) -> bool:
+        return bool(self.tickets)
+
+    def update(self, keys: Iterable[BlockHash], ticket: float, delta: int) -> list[BlockHash]:
+        """Add (`delta` 1) or withdraw (-1) `ticket`'s want of each key; returns the keys whose first
+        ticket changed (their pages' rank)."""
+        wanted, changed = self.tickets, []
+        for key in keys:
+            tickets = wanted.get(key)
+            first = tickets[0] if tickets else None
+            if delta > 0:
+                if tickets is None:
+                    wanted[key] = deque((ticket,))
+                    changed.append(key)
+                    continue
+                if ticket >= tickets[-1]:
+                    tickets.append(ticket)
+                elif ticket <= tickets[0]:
+                    tickets.appendleft(ticket)
+                else:  # (a request queued between two others: rare)
+                    tickets.insert(bisect.bisect_left(list(tickets), ticket), ticket)
+            elif tickets is not None:
+                if first == ticket:  # (the queue's head leaves first: O(1))
+                    tickets.popleft()
+                else:
+                    with contextlib.suppress(ValueError):
+                        tickets.remove(ticket)
+                if not tickets:
+                    del wanted[key]
+                    changed.append(key)
+                    continue
+            else:
+                continue
+            if tickets[0] != first:
+                changed.append(key)
+        return changed
+
+    def rank(self, block_hash: BlockHash | None) -> float:
+        """Minus the first ticket wanting `block_hash` (higher is kept longer), `UNWANTED` when none."""
+        tickets = self.tickets.get(block_hash)  # type: ignore[arg-type]
+        return -tickets[0] if tickets else UNWANTED
+
+    # ------------------------------------------------------------------ lazy order (list policies)
+    def set_aside(self, page: int) -> None:
+        """Move wanted free `page` from the head of its list to the WANTED list, ranked."""
+        self.lists.unlink(page)
+        self.lists.append(page, WANTED)
+        seq = self.next_sequence
+        self.next_sequence = seq + 1
+        self.sequence[page] = seq
+        self._push(page)
+
+    def _push(self, page: int) -> None:
+        heapq.heappush(self.heap, (self.rank(self.hashes[page]), self.sequence[page], page))
+        if len(self.heap) > 4 * self.lists.count[WANTED] + 1024:
+            self._compact()
+
+    def reranked(self, keys: Iterable[BlockHash]) -> None:
+        """The first tickets of `keys` changed: re-rank their set-aside pages in every group. One nobody wants
+        any more ranks `UNWANTED`: it goes before every listed page (it would have gone already)."""
+        where = self.lists.where
+        for key in keys:
+            for cache in self.caches:
+                page = cache.get(key)
+                if page is not None and where[page] == WANTED:
+                    self._push(page)
+                    self.released = self.released or key not in self.tickets
+
+    def victim(self, unwanted_only: bool = False) -> int:
+        """The set-aside page to evict next: lowest rank (`UNWANTED`, then the latest first ticket), then the
+        earliest set aside; -1 when none is left (`unwanted_only`: when the next one is still wanted)."""
+        heap, where, sequence, hashes = self.heap, self.lists.where, self.sequence, self.hashes
+        while heap:
+            rank, seq, page = heap[0]
+            if where[page] != WANTED or sequence[page] != seq or rank != self.rank(hashes[page]):
+                heapq.heappop(heap)  # (stale: the page left, or it was re-ranked since)
+                continue
+            if unwanted_only and rank != UNWANTED:
+                self.released = False  # (the lowest live rank is a want: no page nobody wants is set aside)
+                return -1
+            heapq.heappop(heap)
+            return page
+        self.released = False
+        return -1
+
+    def restore_all(self, list_for: Callable[[int], int]) -> None:
+        """Put every set-aside page back at the head of its list, oldest first (a keyed order takes over)."""
+        lists, seq = self.lists, self.sequence
+        for page in sorted(lists.pages(WANTED), key=lambda p: -seq[p]):
+            lists.unlink(page)
+            lists.prepend(page, list_for(page))
+        self.heap, self.released = [], False
+
+    def ordered(self, in_lists: Iterable[int]) -> tuple[list[int], list[int]]:
+        """(set-aside pages nobody wants, then the wanted free pages) in eviction order. Wanted pages still
+        `in_lists` (in list order) rank after the set-aside ones of their ticket: eviction sets them aside
+        later."""
+        hashes, seq = self.hashes, self.sequence
+        aside = [((self.rank(hashes[p]), seq[p]), p) for p in self.lists.pages(WANTED)]
+        later = (p for p in in_lists if hashes[p] in self.tickets)
+        aside += [((self.rank(hashes[p]), self.next_sequence + i), p) for i, p in enumerate(later)]
+        done = [(key, p) for key, p in sorted(aside)]
+        return [p for key, p in done if key[0] == UNWANTED], [p for key, p in done if key[0] != UNWANTED]
+
+    def _compact(self) -> None:
+        where, sequence, hashes = self.lists.where, self.sequence, self.hashes
+        self.heap = [e for e in self.heap if where[e[2]] == WANTED and sequence[e[2]] == e[1]
+                     and e[0] == self.rank(hashes[e[2]])]  # fmt: skip
+        heapq.heapify(self.heap)
+
+    def check(self, keyed: bool) -> None:
+        """`IntegrityError` unless every set-aside page has a live heap entry of its current rank, and no page
+        is set aside under a keyed order."""
+        aside = list(self.lists.pages(WANTED))
+        require(not (keyed and aside), f"pages set aside under a keyed order: {aside[:8]}")
+        live = {(e[2], e[0]) for e in self.heap if self.sequence[e[2]] == e[1]}
+        for page in aside:
+            rank = self.rank(self.hashes[page])
+            require((page, rank) in live, f"set-aside page {page} has no heap entry of its rank {rank}")
