@@ -25,6 +25,7 @@ def check_wants(bm: BlockManager) -> None:
             want[(k, t)] += 1
     got = collections.Counter()
     for k, ts in bm.pool._wanted.items():
+        ts = list(ts) if isinstance(ts, collections.deque) else [ts]  # (a key wanted once holds its ticket)
         assert list(ts) == sorted(ts), "tickets not sorted"
         for t in ts:
             got[(k, t)] += 1

@@ -23,6 +23,7 @@ import heapq
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable
+from itertools import repeat
 
 from pagedkv.core.errors import require
 from pagedkv.core.eviction import WANTED, FreeLists
@@ -39,7 +40,7 @@ class WantedPages:
     `lists`, `hashes` and `caches` are the pool's own (shared, not copied)."""
 
     def __init__(self, lists: FreeLists, hashes: list[BlockHash | None], caches: list[dict[BlockHash, int]]) -> None:
-        self.tickets: dict[BlockHash, deque[float]] = {}  # prefix key -> tickets of the requests wanting it
+        self.tickets: dict[BlockHash, float | deque[float]] = {}  # prefix key -> ticket(s) of those wanting it
         self.lists, self.hashes, self.caches = lists, hashes, caches
         self.heap: list[tuple[float, int, int]] = []  # (rank, sequence, page); stale entries are skipped
         self.sequence = array("q", [0]) * lists.n  # when each set-aside page was set aside
@@ -51,23 +52,43 @@ class WantedPages:
 
     def update(self, keys: Iterable[BlockHash], ticket: float, delta: int) -> list[BlockHash]:
         """Add (`delta` 1) or withdraw (-1) `ticket`'s want of each key; returns the keys whose first
-        ticket changed (their pages' rank)."""
-        wanted, changed = self.tickets, []
+        ticket changed (their pages' rank). A key wanted once holds its ticket, one wanted more often a
+        sorted deque of them. A prompt's keys wanted by nobody else (the common case) take one C-level
+        pass each way."""
+        keys = keys if type(keys) is list else list(keys)
+        wanted = self.tickets
+        if delta > 0 and wanted.keys().isdisjoint(keys) and len(dict.fromkeys(keys)) == len(keys):
+            wanted.update(dict.fromkeys(keys, ticket))
+            return keys
+        if delta < 0 and list(map(wanted.get, keys)).count(ticket) == len(keys):  # (its own tickets alone)
+            deque(map(wanted.pop, keys, repeat(None)), maxlen=0)
+            return keys
+        changed = []
         for key in keys:
             tickets = wanted.get(key)
-            first = tickets[0] if tickets else None
-            if delta > 0:
-                if tickets is None:
-                    wanted[key] = deque((ticket,))
+            if tickets is None:
+                if delta > 0:
+                    wanted[key] = ticket
                     changed.append(key)
-                    continue
+                continue
+            if not isinstance(tickets, deque):  # wanted once
+                if delta > 0:
+                    wanted[key] = deque((tickets, ticket) if ticket >= tickets else (ticket, tickets))
+                    if ticket < tickets:
+                        changed.append(key)
+                elif tickets == ticket:
+                    del wanted[key]
+                    changed.append(key)
+                continue
+            first = tickets[0]
+            if delta > 0:
                 if ticket >= tickets[-1]:
                     tickets.append(ticket)
-                elif ticket <= tickets[0]:
+                elif ticket <= first:
                     tickets.appendleft(ticket)
                 else:  # (a request queued between two others: rare)
                     tickets.insert(bisect.bisect_left(list(tickets), ticket), ticket)
-            elif tickets is not None:
+            else:
                 if first == ticket:  # (the queue's head leaves first: O(1))
                     tickets.popleft()
                 else:
@@ -77,8 +98,6 @@ class WantedPages:
                     del wanted[key]
                     changed.append(key)
                     continue
-            else:
-                continue
             if tickets[0] != first:
                 changed.append(key)
         return changed
@@ -86,7 +105,9 @@ class WantedPages:
     def rank(self, block_hash: BlockHash | None) -> float:
         """Minus the first ticket wanting `block_hash` (higher is kept longer), `UNWANTED` when none."""
         tickets = self.tickets.get(block_hash)  # type: ignore[arg-type]
-        return -tickets[0] if tickets else UNWANTED
+        if tickets is None:
+            return UNWANTED
+        return -(tickets[0] if isinstance(tickets, deque) else tickets)
 
     # ------------------------------------------------------------------ lazy order (list policies)
     def set_aside(self, page: int) -> None:
