@@ -177,9 +177,19 @@ class BlockPool:
         return list(pages)
 
     def _evict(self, n: int) -> list[int]:
-        lists, fresh = self._lists, self._fresh
+        lists, fresh, order, wants = self._lists, self._fresh, self._order, self._wants
+        count = lists.count
+        if not (order or self.arc or fresh or self.on_uncached or self.on_removed or wants or wants.released
+                or count[PROBATION] or count[WANTED]):  # fmt: skip
+            pages = lists.take_head(LRU, n)  # (plain LRU, no hook and no want: one walk, then `_uncache`'s stores)
+            hashes, group, caches, reused, pins = self._hash, self._group, self._caches, self._reused, self._pins
+            for page in pages:
+                del caches[group[page]][hashes[page]]  # type: ignore[arg-type]
+                hashes[page] = None
+                reused[page] = pins[page] = self._stamp[page] = 0
+            self.num_evictions += n
+            return pages
         pages = []
-        order = self._order
         evicted = 0
         for _ in range(n):
             if fresh:  # (an `on_uncached` hook freed more pages with a victim: a checkpoint's run)
@@ -217,23 +227,7 @@ class BlockPool:
         -1 withdraws that want. Free cached pages no waiting request wants are evicted first (in the policy's
         order), then wanted ones, those wanted latest first (Belady's rule over the known queue); retention
         priorities still come first. Costs O(keys), plus the pages already set aside (`WantedPages`)."""
-        changed = self._wants.update(keys, ticket, delta)
-        order = self._order
-        if order is None:
-            if changed and self._lists.count[WANTED]:
-                self._wants.reranked(changed)
-            return
-        if order.rank is None:  # (every evictable page gets its rank: unwanted ones go first from now on)
-            order.rank = self._rank
-            for page in [*self._lists.pages(PROBATION), *self._lists.pages(LRU)]:
-                order.listed(page, refresh=False)
-            return
-        where = self._lists.where
-        for key in changed:  # (its rank changed: a new heap entry in every group)
-            for cache in self._caches:
-                cached = cache.get(key)
-                if cached is not None and where[cached] in (LRU, PROBATION):
-                    order.listed(cached, refresh=False)
+        self._wants.apply(self._wants.update(keys, ticket, delta), self._order, self._rank)
 
     def _rank(self, page: int) -> float:
         return self._wants.rank(self._hash[page])
@@ -244,12 +238,7 @@ class BlockPool:
         free = self.num_free - self.num_protected
         if free < n or len(self._fresh) >= n or not self._wanted:
             return free >= n
-        slack, where, count = free - n, self._lists.where, 0
-        for page in (cache.get(key) for key in self._wanted for cache in self._caches):
-            count += page is not None and where[page] in (LRU, PROBATION, WANTED)
-            if count > slack:
-                return False
-        return True
+        return self._wants.count_free(free - n) <= free - n
 
     @property
     def num_wanted(self) -> int:
@@ -304,6 +293,7 @@ class BlockPool:
         ref, hashes, fresh, null, order = self._ref, self._hash, self._fresh, self.null_block, self._order
         pins, append = self._pins, self._lists.append
         plain = LRU if not self._slru else 0  # the list of an unpinned page, when it does not depend on reuse
+        run: list[int] = []  # (unpinned pages bound for the LRU tail, linked in one walk when no keyed order)
         for page in pages:
             if page == null:
                 continue
@@ -315,9 +305,13 @@ class BlockPool:
                 fresh.append(page)
                 continue
             which = plain if plain and not pins[page] else self._list_for(page)
+            if which == LRU and order is None:
+                run.append(page)
+                continue
             append(page, which)
             if order is not None and which != PROTECTED:
                 order.listed(page)
+        self._lists.extend(run, LRU)
 
     def pin(self, pages: Iterable[int], reused: bool = False) -> list[tuple[int, int]]:
         """Pin cached `pages`; returns the (page, stamp) pairs to unpin with. Free ones become

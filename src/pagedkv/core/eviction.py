@@ -88,6 +88,35 @@ class FreeLists:
         self.count[which] += 1
         self.where[page] = which
 
+    def extend(self, pages: list[int], which: int) -> None:
+        """Put `pages` (in no list), in order, at the tail of list `which` (`append` for each, in one walk)."""
+        if not pages:
+            return
+        prv, nxt, where, sentinel = self.prev, self.next, self.where, self.sentinel[which]
+        tail = prv[sentinel]
+        for page in pages:
+            nxt[tail] = page
+            prv[page] = tail
+            where[page] = which
+            tail = page
+        nxt[tail] = sentinel
+        prv[sentinel] = tail
+        self.count[which] += len(pages)
+
+    def take_head(self, which: int, k: int) -> list[int]:
+        """Unlink the `k` oldest pages of list `which` (it must hold that many) and return them, oldest first."""
+        nxt, prv, where, sentinel = self.next, self.prev, self.where, self.sentinel[which]
+        pages = []
+        page = nxt[sentinel]
+        for _ in range(k):
+            pages.append(page)
+            where[page] = NONE
+            page = nxt[page]
+        nxt[sentinel] = page
+        prv[page] = sentinel
+        self.count[which] -= k
+        return pages
+
     def prepend(self, page: int, which: int) -> None:
         """Put `page` (in no list) at the head of list `which` (next to go)."""
         prv, nxt, sentinel = self.prev, self.next, self.sentinel[which]

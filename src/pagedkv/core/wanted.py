@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from itertools import repeat
 
 from pagedkv.core.errors import require
-from pagedkv.core.eviction import WANTED, FreeLists
+from pagedkv.core.eviction import LRU, PROBATION, WANTED, FreeLists, HeapOrder
 from pagedkv.core.hashing import BlockHash
 
 __all__ = ["WantedPages", "UNWANTED"]
@@ -108,6 +108,35 @@ class WantedPages:
         if tickets is None:
             return UNWANTED
         return -(tickets[0] if isinstance(tickets, deque) else tickets)
+
+    def apply(self, changed: list[BlockHash], order: HeapOrder | None, rank: Callable[[int], float]) -> None:
+        """The first tickets of `changed` moved: re-rank their pages. Lazily under the list policies (`order`
+        None: only pages set aside); under the pool's keyed `order`, a new heap entry for each free page of
+        theirs in every group, and on the first want, `rank` (page -> rank) for every evictable page."""
+        if order is None:
+            if changed and self.lists.count[WANTED]:
+                self.reranked(changed)
+            return
+        lists = self.lists
+        if order.rank is None:  # (every evictable page gets its rank: unwanted ones go first from now on)
+            order.rank = rank
+            for page in [*lists.pages(PROBATION), *lists.pages(LRU)]:
+                order.listed(page, refresh=False)
+            return
+        for key in changed:
+            for cache in self.caches:
+                cached = cache.get(key)
+                if cached is not None and lists.where[cached] in (LRU, PROBATION):
+                    order.listed(cached, refresh=False)
+
+    def count_free(self, limit: int) -> int:
+        """Wanted free cached pages over every group, counted until the count passes `limit`."""
+        where, count = self.lists.where, 0
+        for page in (cache.get(key) for key in self.tickets for cache in self.caches):
+            count += page is not None and where[page] in (LRU, PROBATION, WANTED)
+            if count > limit:
+                break
+        return count
 
     # ------------------------------------------------------------------ lazy order (list policies)
     def set_aside(self, page: int) -> None:
