@@ -32,6 +32,11 @@ def test_compare_lines_on_a_hand_made_result() -> None:
         lines[2]
         == "- Bookkeeping per scheduled request-step: 0.25 to 0.50 of vLLM 0.33's and 0.50 to 0.50 of MAX 26.3's (3 cells each)."
     )
+    assert len(lines) == 3  # no decode figures in that result
+    decode = {"pagedkv-lru": 0.9, "vllm": 4.5, "sglang": 1.2, "max": 6.0}
+    lines = compare_lines({"rows": rows, "config": {"default_manager": "pagedkv-lru"}, "decode": decode})
+    assert lines[3] == ("- A plain decode step (no page taken or filled): 0.90 µs per request, 0.20 of vLLM 0.33's "
+                        "(4.50) and 0.15 of MAX 26.3's (6.00).")  # fmt: skip
 
 
 def test_state_lines_count_cells_against_the_ceiling_and_vllm() -> None:

@@ -69,6 +69,11 @@ def compare_lines(result: dict[str, Any]) -> list[str]:
     if spans:
         cells_each = max(len(v) for v in ratios.values())
         lines.append(f"- Bookkeeping per scheduled request-step: {' and '.join(spans)} ({cells_each} cells each).")
+    decode = result.get("decode", {})
+    if default in decode and any(p in decode for p in ratios):
+        parts = [f"{decode[default] / decode[p]:.2f} of {PEERS[p]}'s ({decode[p]:.2f})" for p in ratios if p in decode]
+        lines.append(f"- A plain decode step (no page taken or filled): {decode[default]:.2f} µs per request, "
+                     f"{' and '.join(parts)}.")  # fmt: skip
     return lines
 
 
