@@ -12,6 +12,7 @@ PER_STEP_ONCE = [
     "pagedkv.ops.masks:AttentionOptions.check",  # the options, checked once
     "pagedkv.ops.metadata:PagedMetadata.build",  # token requests and positions, computed once
     "pagedkv.hf.context:ForwardContext.build",
+    "pagedkv.ops.torch_decode:_build_batched_plan",  # decode groups, page rows, masks, gather buffer
 ]
 NEVER = [  # per-call checks of the public entry points and the backends' own checks: not on the step's path
     "pagedkv.ops.checks:check_store",

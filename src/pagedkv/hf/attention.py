@@ -66,8 +66,8 @@ def pagedkv_attention(
     v = value[0].transpose(0, 1)  # [T, H_kv, D]
     group.step.store(k, v, slot)
     out = group.step.attend(
-        q, slot, scale=scaling, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux")
-    )  # [T, H_q, D]
+        q, slot, scale=scaling, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"), key=k, value=v
+    )  # [T, H_q, D]; requests with no cached prefix may attend over k, v directly
     return out.unsqueeze(0), None  # [1, T, H_q, D]
 
 

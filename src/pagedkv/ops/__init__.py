@@ -175,8 +175,14 @@ def _attend(
     softcap: float | None,
     metadata: PagedMetadata | None,
     options: AttentionOptions,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`paged_attention` on checked arguments: picks the backend; returns [T, H_q, Dv]."""
+    """`paged_attention` on checked arguments: picks the backend; returns [T, H_q, Dv].
+
+    `key` / `value` [T, H_kv, D]: the step's K/V as stored, which the torch backend may attend directly for
+    requests with no cached prefix (`torch_ops.paged_attention`); the other backends read the pages.
+    """
     if _backend == "reference":
         return reference.paged_attention_reference(
             query, inputs.blocks, inputs.lookup_table, inputs.cache_lengths, input_row_offsets, layer, scale,
@@ -197,7 +203,9 @@ def _attend(
         return triton_decode.paged_decode(
             query, inputs.blocks, meta, layer, scale, softcap, inputs.kv_scales, checked=True
         )  # [T, H_q, D]
-    return torch_ops.paged_attention(query, inputs.blocks, meta, layer, scale, softcap, inputs.kv_scales, options)
+    return torch_ops.paged_attention(
+        query, inputs.blocks, meta, layer, scale, softcap, inputs.kv_scales, options, key, value
+    )  # [T, H_q, Dv]
 
 
 @dataclass(frozen=True, eq=False)
@@ -272,11 +280,16 @@ class PagedStep:
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
         v_head_dim: int | None = None,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`paged_attention(query [T, H_q, D], ...)` of `layer` with the step's options: [T, H_q, Dv].
 
         `sinks` [H_q] (a layer's learned sinks) and `v_head_dim` (MLA) join the step's options for
         this call only; like the query, they come from the model's layer and are not checked here.
+        `key` / `value` [T, H_kv, D]: this layer's K/V exactly as just passed to `store` (optional): requests
+        with no cached prefix may then attend over them instead of reading their pages back (same result,
+        no gather; `pagedkv.ops.torch_fresh`). Passing anything else gives wrong results.
         """
         if not 0 <= layer < self.inputs.blocks.shape[2]:  # the one per-layer argument
             raise ValueError(f"layer={layer} must be in [0, {self.inputs.blocks.shape[2]}) (the cache's layers)")
@@ -287,4 +300,6 @@ class PagedStep:
             )
         if sinks is not None or v_head_dim is not None:
             options = dataclasses.replace(options, sinks=sinks, v_head_dim=v_head_dim)
-        return _attend(query, self.inputs, self.input_row_offsets, layer, scale, softcap, self.metadata, options)
+        return _attend(
+            query, self.inputs, self.input_row_offsets, layer, scale, softcap, self.metadata, options, key, value
+        )  # [T, H_q, Dv]

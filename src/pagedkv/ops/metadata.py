@@ -17,7 +17,8 @@ such metadata).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -44,6 +45,9 @@ class PagedMetadata:
         max_q_len: longest active window (host int).
         max_kv_len: longest kv_lengths (host int; an upper bound when not causal).
         causal: False for a cross-attention step (see module docstring).
+        plans: per-step plans the attention paths derive from these tensors (`torch_decode`'s gather plan,
+            `torch_fresh`'s split of the batch), built by the first layer that needs one and reused by the
+            others: a step builds its metadata once, not per layer. Keyed by the path's own tuple.
     """
 
     page_size: int
@@ -58,6 +62,7 @@ class PagedMetadata:
     max_q_len: int
     max_kv_len: int
     causal: bool = True
+    plans: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_requests(self) -> int:
@@ -68,6 +73,36 @@ class PagedMetadata:
     def num_tokens(self) -> int:
         """T."""
         return self.token_request.shape[0]
+
+    def subset(self, requests: torch.Tensor) -> tuple[PagedMetadata, torch.Tensor]:
+        """The metadata of the batch's requests `requests` (int64 [B'], increasing) alone, and their tokens.
+
+        Returns (metadata of a batch of B' requests, int64 [T'] indices of their tokens on this batch's token
+        axis, increasing). The max lengths stay this batch's (upper bounds).
+        """
+        device = self.cache_lengths.device
+        q_lens = (self.input_row_offsets[1:] - self.input_row_offsets[:-1])[requests]  # [B']
+        offsets = torch.zeros(requests.shape[0] + 1, dtype=torch.int64, device=device)  # [B' + 1]
+        torch.cumsum(q_lens, 0, out=offsets[1:])
+        renumber = torch.full((self.num_requests,), -1, dtype=torch.int64, device=device)  # [B]: old -> new
+        renumber[requests] = torch.arange(requests.shape[0], device=device)
+        new_request = renumber[self.token_request]  # [T]: -1 for tokens of other requests
+        tokens = torch.nonzero(new_request >= 0).flatten()  # [T']
+        sub = PagedMetadata(
+            page_size=self.page_size,
+            input_row_offsets=offsets,
+            cache_lengths=self.cache_lengths[requests],
+            lookup_table=self.lookup_table[requests],
+            token_request=new_request[tokens],
+            token_position=self.token_position[tokens],
+            slot_page=self.slot_page[tokens],
+            slot_offset=self.slot_offset[tokens],
+            kv_lengths=self.kv_lengths[requests],
+            max_q_len=self.max_q_len,
+            max_kv_len=self.max_kv_len,
+            causal=self.causal,
+        )
+        return sub, tokens
 
     @classmethod
     def build(

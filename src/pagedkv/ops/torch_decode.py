@@ -16,6 +16,7 @@ at the full head_dim (MLA: the whole latent slot) and `v_head_dim` slices the re
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -53,6 +54,94 @@ def batched_supported(softcap: float | None, options: AttentionOptions) -> bool:
     return softcap is None and not options.local and options.sinks is None and options.alibi_slopes is None
 
 
+@dataclass(frozen=True)
+class _Group:
+    """One group of `decode_batched`'s tokens, as planned once per step (`_batched_plan`).
+
+    Attributes:
+        tokens: int64 [G] the group's tokens (None: every token of the step, in order).
+        pages: n, the pages gathered per token.
+        rows: int64 [kv_dim * G * n] page rows of layer 0 to gather (K rows, then V rows) in
+            ``kv_blocks.view(-1, page)``; layer l's are ``rows + l``.
+        num_keys: S, the keys gathered per token (the group's largest hi).
+        seen: int, the group's smallest hi: keys ``[0, seen)`` are visible to every token of the group.
+        mask: bool [G, 1, 1, S] visible keys (None: every token sees all S).
+        hidden: bool [1, G, S - seen, 1, 1] keys past a token's hi, zeroed after the gather (None: none).
+        empty: bool [G, 1, 1, 1] tokens that see no key (None: none).
+    """
+
+    tokens: torch.Tensor | None
+    pages: int
+    rows: torch.Tensor
+    num_keys: int
+    seen: int
+    mask: torch.Tensor | None
+    hidden: torch.Tensor | None
+    empty: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _BatchedPlan:
+    """The step's groups and one gather buffer [max rows, page] the groups of every layer reuse."""
+
+    groups: tuple[_Group, ...]
+    buffer: torch.Tensor
+
+
+def _batched_plan(
+    kv_blocks: torch.Tensor, meta: PagedMetadata, options: AttentionOptions, dtype: torch.dtype
+) -> _BatchedPlan:
+    """`decode_batched`'s per-step plan (see there), built by the first layer and kept in ``meta.plans``."""
+    kv_dim, page_size, num_kv_heads, head_dim = kv_blocks.shape[1], *kv_blocks.shape[3:6]
+    itemsize = max(kv_blocks.element_size(), dtype.itemsize)  # FP8 pages are read as float32
+    page_bytes = kv_dim * page_size * num_kv_heads * head_dim * itemsize
+    key = ("decode_batched", tuple(kv_blocks.shape), kv_blocks.dtype, page_bytes, options.causal)
+    plan: _BatchedPlan | None = meta.plans.get(key)
+    if plan is None:
+        plan = meta.plans[key] = _build_batched_plan(kv_blocks, meta, options, page_bytes)
+    return plan
+
+
+def _build_batched_plan(
+    kv_blocks: torch.Tensor, meta: PagedMetadata, options: AttentionOptions, page_bytes: int
+) -> _BatchedPlan:
+    """The groups of `decode_batched` (see there) and their gather buffer."""
+    kv_dim, num_layers, page_size, num_kv_heads, head_dim = kv_blocks.shape[1:6]
+    num_tokens = meta.num_tokens
+    kv_len = meta.kv_lengths[meta.token_request]  # [T]
+    hi = torch.minimum(options.key_ranges(meta.token_position, kv_len)[2], kv_len)  # [T]: keys [0, hi) are seen
+    order = torch.argsort(hi, stable=True)  # [T]: fewest keys first, so groups pad little
+    hi_sorted = hi[order].tolist()
+    max_pages = meta.lookup_table.shape[1]
+    pages_sorted = [min(-(-h // page_size), max_pages) for h in hi_sorted]
+    base = meta.lookup_table * (kv_dim * num_layers)  # [B, C]: row of each page's K in layer 0; V is `L` further
+    groups: list[_Group] = []
+    start, most = 0, 0
+    while start < num_tokens:
+        end = start + 1  # grow the group while its padded gather fits (the last token reads the most pages)
+        while end < num_tokens and (end + 1 - start) * pages_sorted[end] * page_bytes <= _BATCH_KV_BYTES:
+            end += 1
+        n, seen = pages_sorted[end - 1], max(0, hi_sorted[start])
+        num_keys = min(hi_sorted[end - 1], n * page_size)
+        tokens = order[start:end] if start or end < num_tokens else None  # [G] tokens (None: all, in order)
+        start = end
+        if n == 0:
+            continue  # no token of the group sees a key: zeros
+        sel = slice(None) if tokens is None else tokens
+        ids = base[meta.token_request[sel], :n]  # [G, n]
+        ids = ids if kv_dim == 1 else torch.stack((ids, ids + num_layers))  # [kv_dim, G, n]: K rows, then V rows
+        visible = torch.arange(num_keys) < hi[sel][:, None]  # [G, S]
+        mask = hidden = empty = None
+        if seen < num_keys:  # keys past a token's hi (stale slots, padding) are masked and zeroed: not even NaN
+            mask = visible[:, None, None]  # [G, 1, 1, S]
+            hidden = ~visible[None, :, seen:, None, None]  # [1, G, S - seen, 1, 1]
+        if seen <= 0:
+            empty = (hi[sel] <= 0)[:, None, None, None]  # [G, 1, 1, 1]
+        groups.append(_Group(tokens, n, ids.flatten(), num_keys, seen, mask, hidden, empty))
+        most = max(most, ids.numel())
+    return _BatchedPlan(tuple(groups), kv_blocks.new_empty((most, page_size * num_kv_heads * head_dim)))
+
+
 def decode_batched(
     query: torch.Tensor,
     kv_blocks: torch.Tensor,
@@ -64,60 +153,47 @@ def decode_batched(
 ) -> torch.Tensor:
     """Decode attention of query [T, H_q, D], every token's pages gathered at once; returns [T, H_q, Dv].
 
-    Tokens are sorted by how many pages they read and cut into groups whose padded K + V fit in
+    Tokens are sorted by how many keys they see and cut into groups whose padded K + V fit in
     ``_BATCH_KV_BYTES``; each group gathers its pages (K rows then V rows) with one `index_select` into
-    ``[kv_dim, G, S, H_kv, D]``, zeroes the keys its tokens may not see (stale slots, padding pages: not
-    even NaN gets in; without a window or chunk token t sees exactly keys ``[0, hi_t)``) and runs one SDPA
-    over the group with the GQA group folded into the query axis and a boolean key mask. Options as
+    ``[kv_dim, G, S, H_kv, D]`` (S: the group's most keys), zeroes the keys its tokens may not see (stale
+    slots, padding: not even NaN gets in; without a window or chunk token t sees exactly keys ``[0, hi_t)``)
+    and runs one SDPA over the group with the GQA group folded into the query axis, with a boolean key mask
+    only when its tokens see different numbers of keys. The groups, their page rows and masks are planned
+    once per step (`_batched_plan`), and every layer gathers into the same buffer (so one step's layers run
+    one after the other, as a model runs them). Options as
     `batched_supported` says (the loop serves the rest).
     """
     num_tokens, num_q_heads, head_dim = query.shape
     kv_dim, num_layers, page_size, num_kv_heads = kv_blocks.shape[1:5]
     dtype = _compute_dtype(query, kv_blocks, None)
+    plan = _batched_plan(kv_blocks, meta, options, dtype)
     q = query.to(dtype).view(num_tokens, num_kv_heads, -1, head_dim)  # [T, H_kv, g, D]
     v_dim = options.v_head_dim or head_dim
-    out = torch.zeros((*q.shape[:3], v_dim), dtype=query.dtype)  # [T, H_kv, g, Dv]; no visible key: zeros
-    kv_len = meta.kv_lengths[meta.token_request]  # [T]
-    hi = torch.minimum(options.key_ranges(meta.token_position, kv_len)[2], kv_len)  # [T]: keys [0, hi) are seen
-    num_pages = torch.clamp((hi + page_size - 1) // page_size, max=meta.lookup_table.shape[1])  # [T]
-    order = torch.argsort(num_pages, stable=True)  # [T]: fewest pages first, so groups pad little
-    pages_sorted, hi_sorted = num_pages[order].tolist(), hi[order].tolist()
-    itemsize = max(kv_blocks.element_size(), dtype.itemsize)  # FP8 pages are read as float32
-    page_bytes = kv_dim * page_size * num_kv_heads * head_dim * itemsize
+    out = None  # [T, H_kv, g, Dv]; no visible key: zeros
+    if len(plan.groups) != 1 or plan.groups[0].tokens is not None:
+        out = torch.zeros((*q.shape[:3], v_dim), dtype=query.dtype)
     rows = kv_blocks.view(-1, page_size * num_kv_heads * head_dim)  # [(P + 1) * kv_dim * L, page]
-    k_rows = meta.lookup_table * (kv_dim * num_layers) + layer  # [B, C]: row of each page's K; V is `L` further
     s_rows = None if kv_scales is None else kv_scales.view(-1, page_size * num_kv_heads * kv_scales.shape[-1])
-    start = 0
-    while start < num_tokens:
-        end = start + 1  # grow the group while its padded gather fits (the last token reads the most pages)
-        while end < num_tokens and (end + 1 - start) * pages_sorted[end] * page_bytes <= _BATCH_KV_BYTES:
-            end += 1
-        n, first_unseen = pages_sorted[end - 1], max(0, min(hi_sorted[start:end]))
-        idx = order[start:end] if start or end < num_tokens else None  # [G] tokens (None: all, in order)
-        start = end
-        if n == 0:
-            continue  # no token of the group sees a key: zeros
-        sel = slice(None) if idx is None else idx  # the group's tokens
-        ids = k_rows[meta.token_request[sel], :n]  # [G, n]
-        ids = ids if kv_dim == 1 else torch.stack((ids, ids + num_layers))  # [kv_dim, G, n]: K rows, then V rows
-        x = torch.index_select(rows, 0, ids.flatten())  # [kv_dim * G * n, page]
-        x = x.view(kv_dim, -1, n * page_size, num_kv_heads, head_dim)  # [kv_dim, G, S, H_kv, D]
+    for group in plan.groups:
+        ids = group.rows + layer  # [kv_dim * G * n]
+        x = torch.index_select(rows, 0, ids, out=plan.buffer[: ids.shape[0]])  # [kv_dim * G * n, page]
+        x = x.view(kv_dim, -1, group.pages * page_size, num_kv_heads, head_dim)  # [kv_dim, G, n * page, H_kv, D]
         if s_rows is not None:
-            s = torch.index_select(s_rows, 0, ids.flatten()).view(*x.shape[:4], -1)  # [kv_dim, G, S, H_kv, Gs]
+            s = torch.index_select(s_rows, 0, ids).view(*x.shape[:4], -1)  # [kv_dim, G, S, H_kv, Gs]
             x = dequantize(x, s)  # float32
-        x = x.to(dtype)
-        visible = torch.arange(n * page_size) < hi[sel][:, None]  # [G, S]
-        # keys past a token's hi (stale slots, padding pages) are zeroed, so not even NaN gets in; all lie
-        # past the group's smallest hi, and the groups are sorted, so this is a page or so per token
-        tail = x[:, :, first_unseen:]  # [kv_dim, G, S - first_unseen, H_kv, D]
-        tail.masked_fill_(~visible[None, :, first_unseen:, None, None], 0.0)
+        x = x.to(dtype)[:, :, : group.num_keys]  # [kv_dim, G, S, H_kv, D]
+        if group.hidden is not None:
+            x[:, :, group.seen :].masked_fill_(group.hidden, 0.0)
         k, v = x[0].transpose(1, 2), x[-1].transpose(1, 2)  # [G, H_kv, S, D] each
-        o = F.scaled_dot_product_attention(q[sel], k, v, attn_mask=visible[:, None, None], scale=scale)
-        o = o[..., :v_dim].masked_fill(~visible.any(dim=-1)[:, None, None, None], 0.0)  # [G, H_kv, g, Dv]
-        if idx is None:
-            out = o.to(query.dtype)  # [T, H_kv, g, Dv]
-        else:
-            out[idx] = o.to(query.dtype)
+        sel = slice(None) if group.tokens is None else group.tokens
+        o = F.scaled_dot_product_attention(q[sel], k, v, attn_mask=group.mask, scale=scale)  # [G, H_kv, g, D]
+        o = o[..., :v_dim]
+        if group.empty is not None:
+            o = o.masked_fill(group.empty, 0.0)  # [G, H_kv, g, Dv]
+        if out is None:
+            return o.to(query.dtype).reshape(num_tokens, num_q_heads, v_dim)
+        out[sel] = o.to(query.dtype)
+    assert out is not None
     return out.view(num_tokens, num_q_heads, v_dim)
 
 

@@ -59,8 +59,9 @@ def store_kv(
     if kv_blocks.is_contiguous() and (kv_scales is None or kv_scales.is_contiguous()):
         # one index_copy_ per K/V into the slot rows [(P + 1) * kv_dim * L * page_size, H_kv * D] (cheaper than
         # index_put on CPU); FP8 pages and scales are written as raw bytes (no float8_e8m0fnu kernels)
+        base = _slot_rows(meta, kv_dim, num_layers, page_size)  # [T]: the rows of K in layer 0
         for kv, x in enumerate(tensors):
-            rows = ((page * kv_dim + kv) * num_layers + layer) * page_size + slot  # [T]
+            rows = base + (kv * num_layers + layer) * page_size  # [T]
             if kv_scales is None:
                 _copy_rows(kv_blocks, rows, x.to(kv_blocks.dtype))  # [T, H_kv, D]
                 continue
@@ -76,6 +77,16 @@ def store_kv(
         # index_put has no float8_e8m0fnu kernel: write raw bytes (both dtypes are one byte wide)
         kv_blocks.view(torch.uint8)[page, kv, layer, slot] = q.view(torch.uint8)
         kv_scales.view(torch.uint8)[page, kv, layer, slot] = s.view(torch.uint8)
+
+
+def _slot_rows(meta: PagedMetadata, kv_dim: int, num_layers: int, page_size: int) -> torch.Tensor:
+    """int64 [T]: each token's K slot row of layer 0 in the blocks' slot rows (`store_kv`); once per step, kept in
+    ``meta.plans`` (layer l's K rows are ``l * page_size`` further, V's ``num_layers * page_size`` more)."""
+    key = ("slot_rows", kv_dim, num_layers, page_size)
+    rows: torch.Tensor | None = meta.plans.get(key)
+    if rows is None:
+        rows = meta.plans[key] = meta.slot_page * (kv_dim * num_layers * page_size) + meta.slot_offset  # [T]
+    return rows
 
 
 def _copy_rows(blocks: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
