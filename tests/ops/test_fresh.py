@@ -140,8 +140,11 @@ def test_bf16_fresh_requests_match_the_reference() -> None:
         torch.testing.assert_close(out[name], out["reference"], atol=1.6e-2, rtol=1.6e-2)
 
 
-def test_fresh_path_is_causal_sdpa_over_the_step_kv() -> None:
-    """All requests fresh and of one length: bit-identical to one batched causal SDPA (what transformers runs)."""
+@pytest.mark.parametrize("enable_gqa", [True, False], ids=["enable_gqa", "repeated_heads"])
+def test_fresh_path_is_causal_sdpa_over_the_step_kv(enable_gqa: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """All requests fresh and of one length: bit-identical to one batched causal SDPA (what transformers runs),
+    with SDPA's own GQA (torch >= 2.5) and with the K/V heads repeated (older torch)."""
+    monkeypatch.setattr(torch_fresh, "_ENABLE_GQA", enable_gqa)
     inputs, offsets, query, key, value = make_step(4, [0, 0], [6, 6], heads=2, group=3)
     got = run(inputs, offsets, query, key, value)["fresh"]
     q, k, v = (x.view(2, 6, -1, 8).transpose(1, 2) for x in (query, key, value))  # [B, H, S, D]

@@ -29,7 +29,8 @@ from pagedkv.ops.metadata import PagedMetadata
 
 __all__ = ["FreshPlan", "plan", "usable", "fresh_attention"]
 
-_ENABLE_GQA = torch.__version__ >= "2.5"  # SDPA's enable_gqa keyword (older torch: K/V heads repeated)
+# SDPA's enable_gqa keyword came with torch 2.5 (older torch: K/V heads repeated); compared as numbers, not strings
+_ENABLE_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 General = Callable[[torch.Tensor, PagedMetadata], torch.Tensor]  # (query [T', H_q, D], metadata) -> [T', H_q, D]
 
 
