@@ -230,7 +230,8 @@ class BlockManager:
             if not caching or st.dummy:  # a dummy (padding) row has nothing to commit
                 continue
             tokens = ctx.tokens
-            n_commit = min(tokens._processed, tokens._len - 1) // ps  # hot path: fields, not properties
+            done, last = tokens._processed, tokens._len - 1  # hot path: fields, not properties, and no min()
+            n_commit = (done if done < last else last) // ps
             if st.unwritten >= 0:  # pages committed at alloc are written now: announce them
                 first, st.unwritten = st.unwritten, -1
                 self._announce(st, ctx, first, st.committed)
