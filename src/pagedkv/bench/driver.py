@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from pagedkv.bench.workloads import TraceRequest
+from pagedkv.bench.workloads import TraceRequest, touches_page
 from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.manager.paged import PagedKVCacheManager
@@ -149,9 +149,8 @@ def _admit(manager: PagedKVCacheManager, waiting: deque, running: list, max_batc
 
 
 def _crosses_page(c: TextContext, page_size: int) -> bool:
-    """True when this decode step allocates a page (alloc) or fills one (step) for `c`."""
-    n = len(c.tokens)  # before update: alloc needs a page iff (n - 1) % ps == 0; step commits iff n % ps == 0
-    return (n - 1) % page_size == 0 or n % page_size == 0
+    """True when this decode step allocates a page (alloc) or fills one (step) for `c` (before its update)."""
+    return touches_page(len(c.tokens), page_size)
 
 
 def _decode_alloc(manager: PagedKVCacheManager, waiting: deque, running: list, stats: ReplayStats) -> bool:
@@ -184,8 +183,7 @@ def _step(manager: PagedKVCacheManager, running: list, prefilling: set, stats: R
         if c.request_id in prefilling:
             groups["step_prefill"].append(c)
         else:  # after update: the step that just ran had len(tokens) - 1 tokens
-            n = len(c.tokens) - 1
-            groups["step_boundary" if (n - 1) % ps == 0 or n % ps == 0 else "step_decode"].append(c)
+            groups["step_boundary" if touches_page(len(c.tokens) - 1, ps) else "step_decode"].append(c)
     for phase, group in groups.items():
         with _clock(stats, phase, len(group)):
             manager.step([group])

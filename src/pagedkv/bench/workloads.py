@@ -40,6 +40,7 @@ __all__ = [
     "ideal_hit_rates",
     "make_trace",
     "shared_prefix_trace",
+    "touches_page",
     "unique_pages",
 ]
 
@@ -171,6 +172,12 @@ def nosharing(n: int, rng: np.random.Generator) -> list[TraceRequest]:
 WORKLOADS: dict[str, Callable[[int, np.random.Generator], list[TraceRequest]]] = {
     "zipf": zipf, "multiturn": multiturn, "fewshot": fewshot, "docqa": docqa, "nosharing": nosharing,
 }  # fmt: skip
+
+
+def touches_page(num_tokens: int, page_size: int) -> bool:
+    """Whether a one-token decode step of a sequence of `num_tokens` tokens (the new one included) takes a new
+    page (``(num_tokens - 1) % page_size == 0``: alloc) or fills one (``num_tokens % page_size == 0``: step)."""
+    return (num_tokens - 1) % page_size == 0 or num_tokens % page_size == 0
 
 
 def decode_trace(page_size: int, num_requests: int = 256, seed: int = 0) -> list[TraceRequest]:

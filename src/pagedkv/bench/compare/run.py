@@ -121,12 +121,8 @@ def run_compare(
                     ticker(workload, pages, None, f"{peer} skipped")
                     continue
                 try:
-                    if peer == "max":  # in MAX's own environment: the worker replays and times it there
-                        max_worker = max_worker or [MaxWorker()]
-                        res = max_worker[0].replay(pages, page_size, config, workload=workload,
-                                                   num_requests=num_requests, seed=seed)  # fmt: skip
-                    else:
-                        res = _replay(load_peer(peer, num_pages=pages, page_size=page_size), trace, config)
+                    res = _replay_peer(peer, pages, page_size, config, trace, max_worker,
+                                       workload=workload, num_requests=num_requests, seed=seed)  # fmt: skip
                 except PeerUnavailable as exc:
                     skipped[peer] = str(exc)
                     ticker(workload, pages, None, f"{peer} skipped")
@@ -147,6 +143,19 @@ def run_compare(
                    "max_num_batched_tokens": config.max_num_batched_tokens, "seed": seed,
                    "default_manager": DEFAULT_MANAGER},
     }  # fmt: skip
+
+
+def _replay_peer(peer: str, pages: int, page_size: int, config: SimConfig, trace: Sequence[TraceRequest],
+                 max_worker: list[MaxWorker], **workload: Any) -> SimResult:  # fmt: skip
+    """One replay of `peer`: vLLM and SGLang in this process; MAX in its own environment, where the worker
+    (started on first use into `max_worker`) replays and times it, rebuilding the trace from `workload`'s
+    `make_trace` arguments when given, else receiving `trace`. Raises `PeerUnavailable`."""
+    if peer != "max":
+        return _replay(load_peer(peer, num_pages=pages, page_size=page_size), trace, config)
+    max_worker[:] = max_worker or [MaxWorker()]
+    if workload:
+        return max_worker[0].replay(pages, page_size, config, **workload)
+    return max_worker[0].replay(pages, page_size, config, trace=trace)
 
 
 def _belady(trace: list[TraceRequest], pages: int, page_size: int, order: list[int], config: SimConfig) -> SimResult:
@@ -179,11 +188,8 @@ def decode_costs(peers: Sequence[str], skipped: dict[str, str], page_size: int, 
                 if name == DEFAULT_MANAGER:
                     adapter = PagedKVAdapter(name, compare_params(page_size, **POLICIES[name]), pages)
                     res = _replay(adapter, trace, timed)
-                elif name == "max":
-                    max_worker[:] = max_worker or [MaxWorker()]
-                    res = max_worker[0].replay(pages, page_size, timed, trace=trace)
                 else:
-                    res = _replay(load_peer(name, num_pages=pages, page_size=page_size), trace, timed)
+                    res = _replay_peer(name, pages, page_size, timed, trace, max_worker)
                 best = min(best, res.decode_us)
         except PeerUnavailable as exc:
             skipped[name] = str(exc)

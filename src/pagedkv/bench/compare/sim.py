@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pagedkv.bench.workloads import TraceRequest
+from pagedkv.bench.workloads import TraceRequest, touches_page
 
 __all__ = ["CacheAdapter", "SimConfig", "SimResult", "simulate"]
 
@@ -240,8 +240,7 @@ def _admit(adapter: CacheAdapter, waiting: deque, running: list[TraceRequest], b
 def _plain_decode(running: list[TraceRequest], page_size: int) -> bool:
     """Whether every running request is due a one-token step that neither takes a page nor fills one."""
     for req in running:
-        n = req.num_tokens
-        if req.num_computed != n - 1 or (n - 1) % page_size == 0 or n % page_size == 0:
+        if req.num_computed != req.num_tokens - 1 or touches_page(req.num_tokens, page_size):
             return False
     return bool(running)
 
