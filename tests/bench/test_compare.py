@@ -163,6 +163,55 @@ def test_plain_decode_steps_are_timed_on_their_own(page_size: int) -> None:
         assert simulate(PagedKVAdapter("x", compare_params(page_size), 64), trace, budget).decode_request_steps == 5
 
 
+class _Recording(PagedKVAdapter):
+    """The real adapter, recording each call it gets (and refusing extends when `refuse` is set)."""
+
+    def __init__(self, *args: object, refuse: bool = False) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.calls: list[tuple[object, ...]] = []
+        self.refuse = refuse
+
+    def new_step(self) -> None:
+        self.calls.append(("new_step",))
+
+    def extend(self, req: TraceRequest, n: int) -> bool:
+        self.calls.append(("extend", req.rid, n))
+        return not self.refuse and super().extend(req, n)
+
+    def advance(self, batch: object) -> None:
+        self.calls.append(("advance", [(r.rid, n) for r, n in batch]))  # type: ignore[attr-defined]
+        super().advance(batch)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("workload", ["multiturn", "docqa"])
+def test_timing_decode_steps_changes_no_call_and_no_counter(workload: str) -> None:
+    """Plain decode steps timed as one interval (`SimConfig.page_size`) make the same calls, in the same order,
+    as the per-call timing, and the replay's counters are the same."""
+    trace = make_trace(workload, 60, 3)
+    runs = []
+    for config in (SimConfig(), SimConfig(page_size=PS)):
+        adapter = _Recording("pagedkv-lru", compare_params(PS), 300)
+        res = simulate(adapter, trace, config)
+        adapter.mgr._managers[0].check_integrity()
+        runs.append((adapter.calls, res.hit_rate, res.request_steps, res.preemptions, res.steps))
+    assert runs[0] == runs[1]
+    assert runs[0][2] > 0 and simulate(_Recording("x", compare_params(PS), 300), trace,
+                                       SimConfig(page_size=PS)).decode_request_steps > 0  # fmt: skip
+
+
+class _RefusesAfterPrefill(_Recording):
+    def advance(self, batch: object) -> None:
+        super().advance(batch)
+        self.refuse = True  # every later extend (the plain decode steps of `decode_trace`) is refused
+
+
+def test_a_refused_plain_decode_token_is_a_manager_bug() -> None:
+    adapter = _RefusesAfterPrefill("refusing", compare_params(PS), 64)
+    with pytest.raises(RuntimeError, match="refusing: extend refused request 0's decode token"):
+        simulate(adapter, decode_trace(PS, 4), SimConfig(page_size=PS))
+    assert adapter.calls[-2:] == [("new_step",), ("extend", 0, 1)]
+
+
 def test_cli_default_policies_are_the_benchmarks() -> None:
     args = parser().parse_args(["bench", "compare"])
     assert tuple(args.policies.split(",")) == tuple(POLICIES)
