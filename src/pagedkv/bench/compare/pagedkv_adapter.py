@@ -91,7 +91,7 @@ class PagedKVAdapter:
         ctxs = []
         for req, _ in batch:
             ctx = req.handle
-            ctx.update(int(req.tokens[req.num_tokens - 1]))  # ignored mid-prompt (chunked)
+            ctx.update(req.tokens.item(req.num_tokens - 1))  # ignored mid-prompt (chunked)
             ctxs.append(ctx)
         self.mgr.step([ctxs])
 

@@ -126,7 +126,7 @@ class MaxAdapter:
         ctxs = []
         for req, _ in batch:
             ctx = req.handle
-            ctx.update(int(req.tokens[req.num_tokens - 1]))  # ends the chunk mid-prompt (the token is not kept)
+            ctx.update(req.tokens.item(req.num_tokens - 1))  # ends the chunk mid-prompt (the token is not kept)
             ctxs.append(ctx)
         self.mgr.step([ctxs])
 

@@ -171,7 +171,7 @@ class VllmAdapter:
             r = req.handle
             r.num_computed_tokens += n
             while r.num_tokens < req.num_tokens:  # the driver sampled a token
-                r.append_output_token_ids(int(req.tokens[r.num_tokens]))
+                r.append_output_token_ids(req.tokens.item(r.num_tokens))
 
     def free(self, req: TraceRequest, preempted: bool) -> None:
         r = req.handle

@@ -345,7 +345,7 @@ class VllmHybridAdapter:
             r = req.handle
             r.num_computed_tokens += n
             while r.num_tokens < req.num_tokens:  # the driver sampled a token
-                r.append_output_token_ids(int(req.tokens[r.num_tokens]))
+                r.append_output_token_ids(req.tokens.item(r.num_tokens))
         mgr = self.manager
         mgr.take_boundary_state_offloads()  # no connector takes them (scheduler.py:1678-1681)
         _, retained = mgr.take_kv_cache_block_copies()  # no worker copies (scheduler.py:1698-1700)
