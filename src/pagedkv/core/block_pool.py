@@ -177,18 +177,9 @@ class BlockPool:
         return list(pages)
 
     def _evict(self, n: int) -> list[int]:
-        lists, fresh, order, wants = self._lists, self._fresh, self._order, self._wants
-        count = lists.count
-        if not (order or self.arc or fresh or self.on_uncached or self.on_removed or wants or wants.released
-                or count[PROBATION] or count[WANTED]):  # fmt: skip
-            pages = lists.take_head(LRU, n)  # (plain LRU, no hook and no want: one walk, then `_uncache`'s stores)
-            hashes, group, caches, reused, pins = self._hash, self._group, self._caches, self._reused, self._pins
-            for page in pages:
-                del caches[group[page]][hashes[page]]  # type: ignore[arg-type]
-                hashes[page] = None
-                reused[page] = pins[page] = self._stamp[page] = 0
-            self.num_evictions += n
-            return pages
+        lists, fresh, order = self._lists, self._fresh, self._order
+        if not (order or self.arc or fresh or self.on_uncached or self.on_removed):
+            return self._evict_listed(n)  # (list order, no hook: runs of pages, no call per page)
         pages = []
         evicted = 0
         for _ in range(n):
@@ -201,6 +192,18 @@ class BlockPool:
             self._uncache(page)
             pages.append(page)
         self.num_evictions += evicted
+        return pages
+
+    def _evict_listed(self, n: int) -> list[int]:
+        """`n` victims in `_list_victim`'s order, taken in runs (`WantedPages.take`: no keyed order, ARC or
+        hook), each losing its hash as `_uncache` does."""
+        pages, hashes = self._wants.take(n), self._hash
+        group, caches, reused, pins, stamp = self._group, self._caches, self._reused, self._pins, self._stamp
+        for page in pages:  # (inlined `_uncache` without hooks: this runs once per evicted page)
+            del caches[group[page]][hashes[page]]  # type: ignore[arg-type]
+            hashes[page] = None
+            reused[page] = pins[page] = stamp[page] = 0
+        self.num_evictions += n
         return pages
 
     def _list_victim(self) -> int:
@@ -526,7 +529,10 @@ class BlockPool:
 
     def lookup(self, hashes: list[BlockHash], start: int, stop: int, group: int = 0) -> list[int]:
         """Cached pages for ``hashes[start:stop]`` in `group`, stopping at the first miss. No side effects."""
-        hits = list(map(self._caches[group].get, hashes[start:stop]))
+        cache = self._caches[group]
+        if start >= stop or hashes[start] not in cache:  # (a prompt nobody shares misses at once)
+            return []
+        hits = list(map(cache.get, hashes[start:stop]))
         return hits[: hits.index(None)] if None in hits else hits  # type: ignore[return-value]
 
     def count_unreferenced(self, pages: Iterable[int]) -> int:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import heapq
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import Any
 
 from pagedkv.core.errors import require
@@ -116,6 +116,33 @@ class FreeLists:
         prv[page] = sentinel
         self.count[which] -= k
         return pages
+
+    def take_head_unless(
+        self, which: int, k: int, hashes: list[BlockHash | None], kept: Container[BlockHash | None]
+    ) -> tuple[list[int], list[int]]:
+        """Walk list `which` from its head, unlinking up to `k` pages whose hash is not in `kept` (oldest first),
+        and passing over (leaving linked, at the head, in order) those whose hash is; stops at the list's end.
+        Returns (unlinked pages, passed pages)."""
+        if not kept:
+            return self.take_head(which, min(k, self.count[which])), []
+        nxt, prv, where, sentinel = self.next, self.prev, self.where, self.sentinel[which]
+        taken: list[int] = []
+        passed: list[int] = []
+        page, left = nxt[sentinel], k
+        while left and page != sentinel:
+            following = nxt[page]
+            if hashes[page] in kept:
+                passed.append(page)
+            else:  # (inlined `unlink`: this runs once per evicted page)
+                before = prv[page]
+                nxt[before] = following
+                prv[following] = before
+                where[page] = NONE
+                taken.append(page)
+                left -= 1
+            page = following
+        self.count[which] -= len(taken)
+        return taken, passed
 
     def prepend(self, page: int, which: int) -> None:
         """Put `page` (in no list) at the head of list `which` (next to go)."""

@@ -164,6 +164,28 @@ class WantedPages:
                     self._push(page)
                     self.released = self.released or key not in self.tickets
 
+    def take(self, n: int) -> list[int]:
+        """Unlink and return `n` free cached pages in the list policies' eviction order (no ARC): set-aside pages
+        nobody wants any more, then the heads of probation and of the LRU list, setting aside each wanted page
+        they pass, then set-aside wanted pages. The caller makes sure there are `n` (the pool's free count)."""
+        lists = self.lists
+        pages: list[int] = []
+        if self.released:
+            while len(pages) < n and (page := self.victim(unwanted_only=True)) >= 0:
+                lists.unlink(page)
+                pages.append(page)
+        for which in (PROBATION, LRU):
+            if len(pages) < n and lists.count[which]:
+                taken, passed = lists.take_head_unless(which, n - len(pages), self.hashes, self.tickets)
+                pages += taken
+                for page in passed:
+                    self.set_aside(page)
+        while len(pages) < n:
+            page = self.victim()
+            lists.unlink(page)
+            pages.append(page)
+        return pages
+
     def victim(self, unwanted_only: bool = False) -> int:
         """The set-aside page to evict next: lowest rank (`UNWANTED`, then the latest first ticket), then the
         earliest set aside; -1 when none is left (`unwanted_only`: when the next one is still wanted)."""
