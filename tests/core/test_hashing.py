@@ -122,7 +122,50 @@ def test_memo_gives_the_same_chain_and_stays_bounded() -> None:
     for p in prompts:
         n = (len(p) - 1) // 4
         assert memo.extend(p, 0, n, memo.root()) == plain.extend(p, 0, n, plain.root())
-        assert len(memo._memo) < 8 and len(memo._memo_old) <= 8
-    assert not plain._memo and not plain._memo_old
+        assert memo.memo_size <= 16  # two generations of at most 8 pages
+    assert plain.memo_size == 0
     again = memo.extend(prompts[-1], 0, 2, b"\x07" * 32)  # a different parent never reuses a memo entry
     assert again == plain.extend(prompts[-1], 0, 2, b"\x07" * 32)
+
+
+@pytest.mark.parametrize("memo_pages", [1, 3, 64])
+def test_runs_give_the_chain_of_a_hasher_without_memo_whatever_the_calls(memo_pages: int) -> None:
+    """Prompts branch off each other at every page and inside runs, are hashed in one call or in pieces
+    (a request's later pages chained from its own digest), and repeat; every key equals a memo-less hasher's."""
+    rng = np.random.default_rng(7)
+    base = rng.integers(0, 4, 200)
+    memo, plain = PrefixHasher("sha256", 4, memo_pages=memo_pages), PrefixHasher("sha256", 4, memo_pages=0)
+    reused = 0
+    for _ in range(300):
+        cut = int(rng.integers(0, 150))
+        prompt = np.concatenate([base[:cut], rng.integers(0, 2, int(rng.integers(1, 40)))])
+        n = len(prompt) // 4
+        parent_m = parent_p = memo.root()
+        start = 0
+        while start < n:  # in pieces of 1 to 9 pages
+            stop = min(n, start + int(rng.integers(1, 10)))
+            got, parent_m = memo.extend(prompt, start, stop, parent_m)
+            want, parent_p = plain.extend(prompt, start, stop, parent_p)
+            assert got == want and parent_m == parent_p
+            start = stop
+        assert memo.memo_size <= 2 * memo_pages
+        reused += cut >= 8
+    assert reused > 100
+    assert memo.extend(base, 0, 3, b"\x07" * 32) == plain.extend(base, 0, 3, b"\x07" * 32)
+
+
+def test_a_repeated_prefix_is_not_hashed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second prompt sharing 6 pages makes two hash calls per new page only (the runs serve the rest)."""
+    import pagedkv.core.hashing as hashing
+
+    rng = np.random.default_rng(3)
+    shared, hasher = rng.integers(0, 1000, 24), PrefixHasher("sha256", 4)
+    first = np.concatenate([shared, rng.integers(0, 1000, 9)])
+    second = np.concatenate([shared, rng.integers(0, 1000, 9)])
+    hasher.extend(first, 0, 8, hasher.root())
+    calls = []
+    real = hashlib.sha256
+    monkeypatch.setattr(hashing.hashlib, "sha256", lambda data: calls.append(1) or real(data))
+    keys, _ = hasher.extend(second, 0, 8, hasher.root())
+    assert len(calls) == 2 * 2  # pages 6 and 7 only
+    assert keys == hash_tokens(second[:33], 4, seed=bytes(32))

@@ -248,7 +248,7 @@ class BlockManager:
         pages, hashes, first = st.pages, st.hashes, st.committed
         if n_commit > first:
             run = pages[first:n_commit].tolist()
-            used = self.pool.commit_run(run, hashes[first:n_commit], int(pages[first - 1]) if first else -1, scheduled)
+            used = self.pool.commit_run(run, hashes[first:n_commit], pages.item(first - 1) if first else -1, scheduled)
             n_commit = first + len(used)
             if used != run[: len(used)]:  # cached copies of some of these prefix pages: share them
                 pages[first:n_commit] = used

@@ -11,6 +11,7 @@ A token buffer splits a request's tokens into three regions::
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ RequestID = Hashable
 """Any hashable request id (MAX uses strings)."""
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_NATIVE_LE = sys.byteorder == "little"  # (int32 token arrays are native: little-endian bytes need no swap)
 
 
 def as_token_array(tokens: Any) -> np.ndarray:
@@ -85,6 +87,14 @@ class TokenBuffer:
         view = self._array[: self._len]
         view.flags.writeable = False
         return view
+
+    def le_bytes(self, start: int, stop: int) -> bytes:
+        """Tokens ``[start, stop)`` as int32 little-endian bytes (what prefix hashing reads), without a view of
+        every token first."""
+        if not 0 <= start <= stop <= self._len:
+            raise ValueError(f"le_bytes({start}, {stop}) needs 0 <= start <= stop <= len(tokens)={self._len}")
+        view = self._array[start:stop]
+        return view.tobytes() if _NATIVE_LE else view.astype("<i4").tobytes()
 
     @property
     def active(self) -> np.ndarray:

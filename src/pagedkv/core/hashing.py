@@ -24,17 +24,21 @@ never share a key. The algorithms:
 Only full pages are hashed, and never the last token of a sequence (its
 logits must be computed), so a sequence of n tokens has (n - 1) // P keys.
 
-`PrefixHasher` remembers recent digests by their exact inputs (parent digest
-followed by the page's bytes). A prompt that repeats a recent prefix (a
-shared system prompt, the previous turn of a chat) costs one dict lookup per
-page instead of two hash calls; keys are compared byte for byte, so the
-chain is the same, bit for bit.
+`PrefixHasher` remembers the chains it computed as *runs*: the bytes of
+consecutive pages and their digests, each run found by its exact start (the
+parent digest followed by its first page's bytes). A prompt that repeats a
+recent prefix (a shared system prompt, the previous turn of a chat) follows
+the runs it shares (one dict lookup and a byte comparison per run) instead of
+making two hash calls per page, and a prompt nobody saw before is recorded as
+one run, not page by page. Bytes are compared exactly, so the chain is the
+same, bit for bit.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -46,6 +50,7 @@ BlockHash = bytes | int
 __all__ = ["BlockHash", "PrefixHasher", "check_salt", "check_seed", "root_digest", "hash_tokens"]
 
 _ZERO_SEED = bytes(32)
+_LE_INT32 = np.dtype("<i4")
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
@@ -80,11 +85,37 @@ def _xxh3_128() -> Callable[[bytes], bytes]:
     return xxhash.xxh3_128_digest  # type: ignore[no-any-return]
 
 
+@dataclass(slots=True, eq=False)
+class _Run:
+    """Consecutive pages of one chain: their bytes (int32 little-endian, page after page) and the digest after
+    each page."""
+
+    data: bytes
+    digests: list[bytes]
+
+
+def _common_pages(run: bytes, data: bytes, offset: int, step: int, limit: int) -> int:
+    """How many leading whole pages (`step` bytes each, at most `limit`) of `run` equal those of `data` from
+    `offset`; the first one is known to match. (Byte slices compare with memcmp: a binary search costs a few
+    short copies.)"""
+    hi = min(len(run) // step, limit)
+    if run[: hi * step] == data[offset : offset + hi * step]:
+        return hi
+    lo = 1  # pages [0, lo) match; [0, hi) do not all match
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if run[lo * step : mid * step] == data[offset + lo * step : offset + mid * step]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class PrefixHasher:
     """Computes the keys of consecutive full pages of a token sequence.
 
-    Stateless apart from its configuration: callers keep the digest of the
-    last page they hashed and pass it back as `parent` to extend the chain.
+    Stateless apart from its configuration and its memo of runs (module docstring): callers keep the digest
+    of the last page they hashed and pass it back as `parent` to extend the chain.
     """
 
     def __init__(
@@ -94,8 +125,8 @@ class PrefixHasher:
         algo: "sha256", "sha256_64" or "xxh3_128".
         page_size: tokens per page.
         seed: 32-byte chain seed (None: zeros).
-        memo_pages: pages remembered, in two generations of this many
-            (about 250 bytes each); 0 turns the memo off.
+        memo_pages: pages remembered in runs, in two generations of about this many (the older one is
+            dropped when the newer fills); 0 turns the memo off.
         version: the model weights version folded into every root (None: none).
         """
         if algo not in ("sha256", "sha256_64", "xxh3_128"):
@@ -106,8 +137,9 @@ class PrefixHasher:
         self.memo_pages = memo_pages
         self._xxh: Callable[[bytes], bytes] | None = _xxh3_128() if algo == "xxh3_128" else None
         self._width = 16 if algo == "xxh3_128" else 32
-        self._memo: dict[bytes, bytes] = {}  # parent digest + page bytes -> digest (current generation)
-        self._memo_old: dict[bytes, bytes] = {}  # the previous generation, dropped when this one fills
+        self._runs: dict[bytes, _Run] = {}  # parent digest + first page bytes -> run (current generation)
+        self._runs_old: dict[bytes, _Run] = {}  # the previous generation, dropped when this one fills
+        self._run_pages = 0  # pages in the current generation's runs
         self.version = version
         self._roots: dict[str | None, bytes] = {}  # cache_salt -> root, for the current version
 
@@ -122,9 +154,14 @@ class PrefixHasher:
 
     def set_version(self, version: str | None) -> None:
         """Start every later chain from `version`'s root; keys of earlier versions never match again.
-        (The digest memo stays: its entries are keyed by their parent, which differs per version.)"""
+        (The memo stays: its runs are keyed by their parent, which differs per version.)"""
         self.version = version or None
         self._roots = {}
+
+    @property
+    def memo_size(self) -> int:
+        """Pages remembered now, over both generations of runs."""
+        return sum(len(run.digests) for runs in (self._runs, self._runs_old) for run in runs.values())
 
     def extend(self, tokens: np.ndarray, start: int, stop: int, parent: bytes) -> tuple[list[BlockHash], bytes]:
         """Keys of pages [start, stop) of `tokens`, chained from `parent`.
@@ -138,35 +175,65 @@ class PrefixHasher:
             (keys, digest of page stop - 1); `parent` itself when the range is empty.
         """
         ps = self.page_size
-        data = tokens[start * ps : stop * ps].astype("<i4", copy=False).tobytes()
-        step = 4 * ps
+        return self.extend_bytes(tokens[start * ps : stop * ps].astype(_LE_INT32, copy=False).tobytes(), parent)
+
+    def extend_bytes(self, data: bytes, parent: bytes, memo: bool = True) -> tuple[list[BlockHash], bytes]:
+        """`extend` over pages given as their bytes: `data` holds whole pages of int32 little-endian tokens
+        (``4 * page_size`` bytes each). Returns (keys, digest of the last page); `parent` when `data` is empty.
+        `memo` False neither reads nor records runs: for a request's own next pages (a decode step's), which
+        nobody else hashed, and which cost less to hash again, should a later prompt hold them, than to record."""
+        step = 4 * self.page_size
+        n = len(data) // step
         digests: list[bytes] = []
+        done = 0
+        runs, old = (self._runs, self._runs_old) if memo else ({}, {})
+        key = b""
+        while done < n and (runs or old):  # follow the recorded runs this chain shares
+            key = parent + data[done * step : (done + 1) * step]
+            run = runs.get(key)
+            if run is None:
+                run = old.get(key)
+                if run is None:
+                    break
+                self._keep(key, run)  # (still in use: into the current generation)
+                runs, old = self._runs, self._runs_old
+            m = _common_pages(run.data, data, done * step, step, n - done)
+            digests += run.digests[:m]
+            parent = run.digests[m - 1]
+            done += m
+        if done == n:
+            return self._keys(digests), parent
+        first = done
+        if not (runs or old):  # (the lookup never ran: `key` is the run's to record)
+            key = parent + data[first * step : (first + 1) * step]
         append = digests.append
-        memo, old, cap = self._memo, self._memo_old, self.memo_pages
         xxh, sha = self._xxh, hashlib.sha256
-        seeking = cap > 0  # after the first miss every parent is new: stop looking, keep recording
-        for offset in range(0, len(data), step):
+        for offset in range(first * step, n * step, step):
             page = data[offset : offset + step]
-            key = parent + page
-            if seeking:
-                digest = memo.get(key) or old.get(key)
-                if digest is not None:
-                    parent = digest
-                    append(digest)
-                    continue
-                seeking = False
             # inlined: a helper call per page would cost ~15% here
-            digest = xxh(xxh(page) + parent) if xxh else sha(sha(page).digest() + parent).digest()
-            if cap:
-                memo[key] = digest
-                if len(memo) >= cap:
-                    self._memo_old, self._memo = old, memo = memo, {}
-            parent = digest
-            append(digest)
+            parent = xxh(xxh(page) + parent) if xxh else sha(sha(page).digest() + parent).digest()
+            append(parent)
+        if self.memo_pages and memo:
+            self._keep(key, _Run(data[first * step :] if first else data, digests[first:] if first else digests[:]))
+        return self._keys(digests), parent
+
+    def _keep(self, key: bytes, run: _Run) -> None:
+        """Record `run` (its first `memo_pages` pages) under `key` in the current generation; when that would
+        pass `memo_pages` pages, the current generation becomes the old one and the old one goes."""
+        cap = self.memo_pages
+        if len(run.digests) > cap:
+            run = _Run(run.data[: cap * 4 * self.page_size], run.digests[:cap])
+        if self._run_pages + len(run.digests) > cap:
+            self._runs_old, self._runs, self._run_pages = self._runs, {}, 0
+        self._runs_old.pop(key, None)
+        self._runs[key] = run
+        self._run_pages += len(run.digests)
+
+    def _keys(self, digests: list[bytes]) -> list[BlockHash]:
         if self.algo == "sha256_64":
             from_bytes = int.from_bytes
-            return [from_bytes(d[:8], "big", signed=True) for d in digests], parent
-        return digests, parent  # type: ignore[return-value]
+            return [from_bytes(d[:8], "big", signed=True) for d in digests]
+        return digests  # type: ignore[return-value]
 
 
 def hash_tokens(

@@ -71,14 +71,20 @@ def more_keys(hasher: PrefixHasher, st: Any, ctx: TextContext, n_pages: int) -> 
     if n_pages <= have:
         return [], st.digest
     if have or hasher.algo == "sha256_64":  # (sha256_64 keys are not their digests)
-        return hasher.extend(ctx.tokens.all, have, n_pages, st.digest if have else hasher.root(ctx.cache_salt))
+        ps = hasher.page_size
+        data = ctx.tokens.le_bytes(have * ps, n_pages * ps)
+        if have:  # (the request's own next pages: see `PrefixHasher.extend_bytes`)
+            return hasher.extend_bytes(data, st.digest, memo=False)
+        return hasher.extend_bytes(data, hasher.root(ctx.cache_salt))
     memo = ctx.key_cache  # a first lookup: this request's keys may be known from an earlier admission
     root = hasher.root(ctx.cache_salt)  # (a memo from another root: another weights version)
     if memo is None or memo[0] is not hasher or memo[1] != root:
         memo = (hasher, root, [], root)
     keys, digest = memo[2], memo[3]
     if n_pages > len(keys):
-        more, digest = hasher.extend(ctx.tokens.all, len(keys), n_pages, digest)
+        more, digest = hasher.extend_bytes(
+            ctx.tokens.le_bytes(len(keys) * hasher.page_size, n_pages * hasher.page_size), digest
+        )
         keys = keys + more
         ctx.key_cache = (hasher, root, keys, digest)
     return keys[:n_pages], keys[n_pages - 1]
