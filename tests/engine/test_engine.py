@@ -86,3 +86,21 @@ def test_statistics_count_cached_prompt_tokens() -> None:
     s = eng.summary
     assert s["prompt_tokens"] == 41 and s["prompt_tokens_cached"] == 20 and s["prefill_tokens_computed"] == 21
     assert s["used_pages"] == 0 and s["generated_tokens"] == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_batch_draws_what_sample_draws_row_by_row(dtype: torch.dtype) -> None:
+    """Greedy rows take one argmax over the batch (ties: the first maximum, as `sample`), seeded rows draw
+    what `sample` draws with the same generator state, inactive rows give None."""
+    from pagedkv.engine.sampling import sample, sample_batch
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)).to(dtype)  # [B, V]
+    logits[1, 7] = logits[1, 31] = logits[1].max() + 1  # a tie: the first index wins
+    greedy, hot = SamplingParams(), SamplingParams(temperature=0.9, top_k=5, seed=4)
+    params = [greedy, greedy, hot, greedy, hot, greedy]
+    active = [True, True, True, False, True, True]
+    got = sample_batch(logits, params, [torch.Generator().manual_seed(i) for i in range(6)], active)
+    want = [sample(logits[i].float(), p, torch.Generator().manual_seed(i)) if on else None
+            for i, (p, on) in enumerate(zip(params, active, strict=True))]  # fmt: skip
+    assert got == want and got[1] == 7 and got[3] is None
+    assert sample_batch(logits, [greedy] * 6, [None] * 6, [True] * 6) == logits.float().argmax(-1).tolist()

@@ -28,7 +28,7 @@ from pagedkv.core.memory import pool_page_bytes
 from pagedkv.dtype import DType
 from pagedkv.engine.checks import check_prompts, check_request, check_state_layers
 from pagedkv.engine.request import Request
-from pagedkv.engine.sampling import SamplingParams, sample
+from pagedkv.engine.sampling import SamplingParams, sample_batch
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.hf import alibi
 from pagedkv.hf.attention import pagedkv_attention, register
@@ -344,10 +344,10 @@ class LLMEngine:
             )
         try:
             logits = self._forward(batch)  # [B, V]: logits of each request's last window token
-            tokens = [
-                None if r.ctx.tokens.is_chunked else sample(logits[i].float(), r.sampling, r.generator)
-                for i, r in enumerate(batch)
-            ]
+            tokens = sample_batch(  # (mid-prompt chunks: no token yet)
+                logits, [r.sampling for r in batch], [r.generator for r in batch],
+                [not r.ctx.tokens.is_chunked for r in batch],
+            )  # fmt: skip
         except BaseException:
             if self._state_groups:  # layers may have moved their states on: recompute every request's state
                 self.scheduler.recompute_all()

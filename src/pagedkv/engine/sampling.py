@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "sample"]
+__all__ = ["SamplingParams", "sample", "sample_batch"]
 
 
 @dataclass(frozen=True)
@@ -79,3 +80,24 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         keep = torch.cumsum(sorted_probs, 0) - sorted_probs < params.top_p  # [V]: mass before each token
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])  # [V]
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    active: Sequence[bool],
+) -> list[int | None]:
+    """One token per row of logits [B, V] whose `active` entry is True (None for the others), as `sample`
+    draws it from that row in float32: the greedy rows with one argmax over them all (one host read for
+    the batch, the first maximum as `torch.argmax` takes it), the others one by one."""
+    out: list[int | None] = [None] * len(params)
+    greedy = [i for i, (p, on) in enumerate(zip(params, active, strict=True)) if on and p.greedy]
+    if greedy:
+        rows = logits if len(greedy) == logits.shape[0] else logits[greedy]  # [G, V]
+        for i, token in zip(greedy, torch.argmax(rows, dim=-1).tolist(), strict=True):
+            out[i] = token
+    for i, (p, generator, on) in enumerate(zip(params, generators, active, strict=True)):
+        if on and not p.greedy:
+            out[i] = sample(logits[i].float(), p, generator)
+    return out
