@@ -29,8 +29,11 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _NATIVE_LE = sys.byteorder == "little"  # (int32 token arrays are native: little-endian bytes need no swap)
 
 
-def as_token_array(tokens: Any) -> np.ndarray:
-    """`tokens` as a fresh int32 array; ValueError unless 1-D, non-empty and inside int32, TypeError unless integers."""
+def as_token_array(tokens: Any, copy: bool = True) -> np.ndarray:
+    """`tokens` as a fresh int32 array (`copy` False: `tokens` itself when it is one already); ValueError unless
+    1-D, non-empty and inside int32, TypeError unless integers."""
+    if type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1 and tokens.size:
+        return tokens.copy() if copy else tokens  # (int32 already: nothing to check)
     array = np.asarray(tokens)
     if array.ndim == 0:
         raise TypeError(f"tokens must be a 1-D sequence of token ids, got {type(tokens).__name__}")
@@ -63,7 +66,7 @@ class TokenBuffer:
     __slots__ = ("_array", "_len", "_processed", "_end", "_prompt_length")
 
     def __init__(self, tokens: Sequence[int] | np.ndarray) -> None:
-        array = as_token_array(tokens)
+        array = as_token_array(tokens, copy=False)  # (copied into the buffer below)
         n = len(array)
         self._array = np.empty(max(16, 2 * n), dtype=np.int32)
         self._array[:n] = array

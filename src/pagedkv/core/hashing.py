@@ -182,13 +182,16 @@ class PrefixHasher:
         (``4 * page_size`` bytes each). Returns (keys, digest of the last page); `parent` when `data` is empty.
         `memo` False neither reads nor records runs: for a request's own next pages (a decode step's), which
         nobody else hashed, and which cost less to hash again, should a later prompt hold them, than to record."""
+        if not (memo and self.memo_pages):
+            digests: list[bytes] = []
+            parent = self._hash_pages(data, 0, parent, digests)
+            return self._keys(digests), parent
         step = 4 * self.page_size
         n = len(data) // step
-        digests: list[bytes] = []
+        digests = []
         done = 0
-        runs, old = (self._runs, self._runs_old) if memo else ({}, {})
-        key = b""
-        while done < n and (runs or old):  # follow the recorded runs this chain shares
+        runs, old = self._runs, self._runs_old
+        while done < n:  # follow the recorded runs this chain shares
             key = parent + data[done * step : (done + 1) * step]
             run = runs.get(key)
             if run is None:
@@ -201,21 +204,23 @@ class PrefixHasher:
             digests += run.digests[:m]
             parent = run.digests[m - 1]
             done += m
-        if done == n:
+        else:
             return self._keys(digests), parent
-        first = done
-        if not (runs or old):  # (the lookup never ran: `key` is the run's to record)
-            key = parent + data[first * step : (first + 1) * step]
-        append = digests.append
+        parent = self._hash_pages(data, done * step, parent, digests)  # (`key` starts the new run)
+        self._keep(key, _Run(data[done * step :] if done else data, digests[done:]))
+        return self._keys(digests), parent
+
+    def _hash_pages(self, data: bytes, offset: int, parent: bytes, digests: list[bytes]) -> bytes:
+        """Chain the pages of `data` from byte `offset` onto `parent`, appending each digest to `digests`;
+        returns the last digest."""
+        step, append = 4 * self.page_size, digests.append
         xxh, sha = self._xxh, hashlib.sha256
-        for offset in range(first * step, n * step, step):
-            page = data[offset : offset + step]
+        for start in range(offset, len(data) - step + 1, step):
+            page = data[start : start + step]
             # inlined: a helper call per page would cost ~15% here
             parent = xxh(xxh(page) + parent) if xxh else sha(sha(page).digest() + parent).digest()
             append(parent)
-        if self.memo_pages and memo:
-            self._keep(key, _Run(data[first * step :] if first else data, digests[first:] if first else digests[:]))
-        return self._keys(digests), parent
+        return parent
 
     def _keep(self, key: bytes, run: _Run) -> None:
         """Record `run` (its first `memo_pages` pages) under `key` in the current generation; when that would
