@@ -57,8 +57,8 @@ class WantedPages:
         pass each way."""
         keys = keys if type(keys) is list else list(keys)
         wanted = self.tickets
-        if delta > 0 and wanted.keys().isdisjoint(keys) and len(dict.fromkeys(keys)) == len(keys):
-            wanted.update(dict.fromkeys(keys, ticket))
+        if delta > 0 and wanted.keys().isdisjoint(keys):  # (a chain's keys are distinct: no key twice in `keys`)
+            wanted.update(zip(keys, repeat(ticket)))
             return keys
         if delta < 0 and list(map(wanted.get, keys)).count(ticket) == len(keys):  # (its own tickets alone)
             deque(map(wanted.pop, keys, repeat(None)), maxlen=0)
