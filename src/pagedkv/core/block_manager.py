@@ -313,7 +313,8 @@ class BlockManager:
             stop = (min(len(tokens), tokens.current_position) - 1) // ps
             if stop > st.committed:
                 new_keys, digest = more_keys(self.hasher, st, ctx, stop)
-                hits = self.pool.lookup([*st.hashes, *new_keys], st.committed, stop)
+                keys = [*st.hashes, *new_keys] if st.hashes else new_keys  # (a first lookup: its own keys)
+                hits = self.pool.lookup(keys, st.committed, stop)
         need = -(-need_tokens // ps) - st.num_pages - len(hits)
         if lookup and self._partial is not None:
             partial = self._partial.find(ctx, [*st.hashes, *new_keys], st.committed, hits, need)

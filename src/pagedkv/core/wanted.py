@@ -148,6 +148,21 @@ class WantedPages:
         self.sequence[page] = seq
         self._push(page)
 
+    def _set_aside_heads(self, pages: list[int], which: int) -> None:
+        """`set_aside` each of `pages`, wanted pages that are, in order, the first pages of list `which`."""
+        lists, hashes, tickets, heap, sequence = self.lists, self.hashes, self.tickets, self.heap, self.sequence
+        lists.take_head(which, len(pages))
+        lists.extend(pages, WANTED)
+        first = self.next_sequence
+        self.next_sequence = first + len(pages)
+        push = heapq.heappush
+        for seq, page in enumerate(pages, first):  # (inlined `_push` and `rank`: once per page set aside)
+            sequence[page] = seq
+            wanting = tickets[hashes[page]]  # type: ignore[index]
+            push(heap, (-(wanting[0] if isinstance(wanting, deque) else wanting), seq, page))
+        if len(heap) > 4 * lists.count[WANTED] + 1024:
+            self._compact()
+
     def _push(self, page: int) -> None:
         heapq.heappush(self.heap, (self.rank(self.hashes[page]), self.sequence[page], page))
         if len(self.heap) > 4 * self.lists.count[WANTED] + 1024:
@@ -178,8 +193,8 @@ class WantedPages:
             if len(pages) < n and lists.count[which]:
                 taken, passed = lists.take_head_unless(which, n - len(pages), self.hashes, self.tickets)
                 pages += taken
-                for page in passed:
-                    self.set_aside(page)
+                if passed:
+                    self._set_aside_heads(passed, which)
         while len(pages) < n:
             page = self.victim()
             lists.unlink(page)

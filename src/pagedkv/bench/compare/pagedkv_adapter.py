@@ -36,10 +36,12 @@ def compare_params(page_size: int = 16, **kwargs: Any) -> KVCacheParams:
 
 def handles(reqs: Sequence[TraceRequest]) -> list[TextContext]:
     """Each request's context, created on first use (an adapter's `admit` then takes the same one)."""
-    for req in reqs:
-        if req.handle is None:
-            req.handle = TextContext(req.rid, req.live_tokens)
-    return [req.handle for req in reqs]
+    return [req.handle or _new_handle(req) for req in reqs]  # (one pass: the driver tells the queue every step)
+
+
+def _new_handle(req: TraceRequest) -> TextContext:
+    req.handle = TextContext(req.rid, req.live_tokens)
+    return req.handle
 
 
 class PagedKVAdapter:
