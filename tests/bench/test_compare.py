@@ -140,6 +140,13 @@ def test_cli_compare_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert set(data["decode"]) == {"pagedkv-lru"} and 0 < data["decode"]["pagedkv-lru"] < 100
     text = capsys.readouterr().out
     assert "| nosharing |" in text and "### Plain decode step" in text
+    head, rule, row = text.split("### Plain decode step")[1].split("\n")[2:5]  # a table of one column, one row
+    assert (head, rule) == ("| pagedkv-lru |", "|---|") and row == f"| {data['decode']['pagedkv-lru']:.2f} |"
+    data["decode"].update(vllm=4 * data["decode"]["pagedkv-lru"])  # with a peer: its column and the ratio
+    out.write_text(json.dumps(data))
+    assert main(["bench", "compare", "--from-json", str(out)]) == 0
+    head, rule, row = capsys.readouterr().out.split("### Plain decode step")[1].split("\n")[2:5]
+    assert (head, rule) == ("| pagedkv-lru | vllm | pagedkv-lru/vllm |", "|---|---|---|") and row.endswith("| 0.25 |")
     assert main(["bench", "compare", "--from-json", str(out)]) == 0  # re-render without replaying
     assert "| nosharing | " in capsys.readouterr().out
 

@@ -76,10 +76,9 @@ def format_markdown(result: dict[str, Any]) -> str:
     if result.get("decode"):
         decode = result["decode"]
         lines += ["", "### Plain decode step (one token, no page taken or filled), µs per request", ""]
-        lines += [f"| {' | '.join(decode)} | {' | '.join(f'{BASE}/{p}' for p in decode if p != BASE)} |",
-                  "|---" * (2 * len(decode) - 1) + "|"]  # fmt: skip
-        ratios = [f"{decode[BASE] / decode[p]:.2f}" for p in decode if p != BASE and BASE in decode]
-        lines.append(f"| {' | '.join(f'{v:.2f}' for v in decode.values())} | {' | '.join(ratios)} |")
+        others = [p for p in decode if p != BASE] if BASE in decode else []
+        figures = [f"{v:.2f}" for v in decode.values()] + [f"{decode[BASE] / decode[p]:.2f}" for p in others]
+        lines += report.table((*decode, *(f"{BASE}/{p}" for p in others)), [figures])
     lines += ["", "### Prompt hashing, ns per token", ""]
     names = sorted({k for h in result["hashing"].values() for k in h})
     lines += [f"| workload | {' | '.join(names)} |", "|---" * (len(names) + 1) + "|"]
