@@ -239,3 +239,17 @@ def test_max_python_defaults_to_the_checkouts_venv(monkeypatch: pytest.MonkeyPat
     root = Path(peer_max.__file__).resolve().parents[4]
     assert peer_max.max_python() == str(root / ".venv-max" / "bin" / "python")
     assert (root / "pyproject.toml").exists()
+
+
+def test_repeats_keep_each_managers_fastest_replay_and_the_same_counters() -> None:
+    """`repeats` replays every manager per cell in turn: the rows (hit rates, counters) are those of one replay,
+    the bookkeeping time is the least of them; 0 repeats is refused."""
+    once = run_compare(["zipf"], 30, fractions=[0.5], peers=[], policies=["pagedkv-lru", "pagedkv-slru"], belady=False)
+    twice = run_compare(["zipf"], 30, fractions=[0.5], peers=[], policies=["pagedkv-lru", "pagedkv-slru"],
+                        belady=False, repeats=2)  # fmt: skip
+    strip = ("bookkeeping_us", "seconds")
+    assert [{k: v for k, v in r.items() if k not in strip} for r in once["rows"]] == \
+        [{k: v for k, v in r.items() if k not in strip} for r in twice["rows"]]  # fmt: skip
+    assert [r["manager"] for r in twice["rows"]] == ["pagedkv-lru", "pagedkv-slru"] and twice["config"]["repeats"] == 2
+    with pytest.raises(ValueError, match="repeats=0"):
+        run_compare(["zipf"], 30, fractions=[0.5], peers=[], belady=False, repeats=0)
