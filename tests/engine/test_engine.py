@@ -96,11 +96,12 @@ def test_sample_batch_draws_what_sample_draws_row_by_row(dtype: torch.dtype) -> 
 
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)).to(dtype)  # [B, V]
     logits[1, 7] = logits[1, 31] = logits[1].max() + 1  # a tie: the first index wins
+    logits[5, 3] = logits[5, 9] = float("nan")  # NaN counts as the maximum, the first one wins (as argmax)
     greedy, hot = SamplingParams(), SamplingParams(temperature=0.9, top_k=5, seed=4)
     params = [greedy, greedy, hot, greedy, hot, greedy]
     active = [True, True, True, False, True, True]
     got = sample_batch(logits, params, [torch.Generator().manual_seed(i) for i in range(6)], active)
     want = [sample(logits[i].float(), p, torch.Generator().manual_seed(i)) if on else None
             for i, (p, on) in enumerate(zip(params, active, strict=True))]  # fmt: skip
-    assert got == want and got[1] == 7 and got[3] is None
+    assert got == want and got[1] == 7 and got[3] is None and got[5] == 3
     assert sample_batch(logits, [greedy] * 6, [None] * 6, [True] * 6) == logits.float().argmax(-1).tolist()
