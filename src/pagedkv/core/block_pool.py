@@ -28,11 +28,11 @@ evicted only after every unpinned one. Pins are counted; `unpin` at request
 end returns the page to the LRU. Each caching of a page gets a new stamp, so
 an owner's pin on a page evicted and re-cached since is recognised as stale.
 
-Storage is struct-of-arrays (about 40 bytes per page before any caching):
-int32 ref counts, pins and stamps, int32 prev/next links of the free lists,
-an int32 fresh stack, one slot per page for its hash, one byte each for the
-group that cached it, its list and its reuse bit. Building a pool of a
-million pages takes milliseconds.
+Storage is struct-of-arrays (about 47 bytes per page before any caching): int32
+ref counts and pins, int64 stamps, int32 free-list links and fresh stack, a hash
+slot, one byte each for the group that cached it, its list and its reuse bit, and
+queue-aware retention's int64 set-aside sequence. A pool of a million pages builds
+in milliseconds.
 
 Hybrid models (several KV cache groups, e.g. sliding-window and full layers)
 share one pool: a page id belongs to one group at a time, and each group has
@@ -187,7 +187,7 @@ class BlockPool:
                 pages.append(fresh.pop())
                 continue
             evicted += 1
-            page = order.victim() if order is not None else self._list_victim()
+            page = order.victim() if order is not None else self._wants.next_victim(self.arc)
             lists.unlink(page)
             self._uncache(page)
             pages.append(page)
@@ -195,7 +195,7 @@ class BlockPool:
         return pages
 
     def _evict_listed(self, n: int) -> list[int]:
-        """`n` victims in `_list_victim`'s order, taken in runs (`WantedPages.take`: no keyed order, ARC or
+        """`n` victims in `WantedPages.next_victim`'s order, taken in runs (`WantedPages.take`: no keyed order, ARC or
         hook), each losing its hash as `_uncache` does."""
         pages, hashes = self._wants.take(n), self._hash
         group, caches, reused, pins, stamp = self._group, self._caches, self._reused, self._pins, self._stamp
@@ -205,24 +205,6 @@ class BlockPool:
             reused[page] = pins[page] = stamp[page] = 0
         self.num_evictions += n
         return pages
-
-    def _list_victim(self) -> int:
-        """The next page to evict by list order (ARC's split, else probation first), setting aside each wanted
-        page it passes (`WantedPages`): set-aside pages nobody wants any more go first, wanted ones last."""
-        lists, count, arc, wants = self._lists, self._lists.count, self.arc, self._wants
-        tickets, hashes = wants.tickets, self._hash
-        if wants.released and (page := wants.victim(unwanted_only=True)) >= 0:
-            return page
-        while count[PROBATION] or count[LRU]:
-            t1 = arc.from_probation(count[PROBATION], count[LRU]) if arc is not None else count[PROBATION] > 0
-            page = lists.head(PROBATION if t1 else LRU)
-            if tickets and hashes[page] in tickets:
-                wants.set_aside(page)
-                continue
-            if arc is not None:
-                arc.evicted(hashes[page], t1)  # type: ignore[arg-type]
-            return page
-        return wants.victim()  # (>= 0: the pool's free count includes every set-aside page)
 
     def want(self, keys: Iterable[BlockHash], ticket: float, delta: int = 1) -> None:
         """Queue-aware retention: a waiting request (its place in the queue: `ticket`, lower is sooner) will hit

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from itertools import repeat
 
 from pagedkv.core.errors import require
-from pagedkv.core.eviction import LRU, PROBATION, WANTED, FreeLists, HeapOrder
+from pagedkv.core.eviction import LRU, PROBATION, WANTED, ArcState, FreeLists, HeapOrder
 from pagedkv.core.hashing import BlockHash
 
 __all__ = ["WantedPages", "UNWANTED"]
@@ -147,6 +147,24 @@ class WantedPages:
         self.next_sequence = seq + 1
         self.sequence[page] = seq
         self._push(page)
+
+    def next_victim(self, arc: ArcState | None) -> int:
+        """The next page to evict by list order (`arc`'s split, else probation first), unlinked by the caller,
+        setting aside each wanted page it passes: set-aside pages nobody wants any more go first, wanted ones
+        last (`take`'s order one page at a time, with ARC; the caller makes sure a free cached page exists)."""
+        lists, count, tickets, hashes = self.lists, self.lists.count, self.tickets, self.hashes
+        if self.released and (page := self.victim(unwanted_only=True)) >= 0:
+            return page
+        while count[PROBATION] or count[LRU]:
+            t1 = arc.from_probation(count[PROBATION], count[LRU]) if arc is not None else count[PROBATION] > 0
+            page = lists.head(PROBATION if t1 else LRU)
+            if tickets and hashes[page] in tickets:
+                self.set_aside(page)
+                continue
+            if arc is not None:
+                arc.evicted(hashes[page], t1)  # type: ignore[arg-type]
+            return page
+        return self.victim()  # (>= 0: the pool's free count includes every set-aside page)
 
     def _set_aside_heads(self, pages: list[int], which: int) -> None:
         """`set_aside` each of `pages`, wanted pages that are, in order, the first pages of list `which`."""
