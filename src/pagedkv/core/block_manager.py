@@ -137,13 +137,12 @@ class BlockManager:
         tokens = ctx.tokens
         # Hot path, a decode step that needs no page: one active token, every slot held.
         # (Reads TokenBuffer's fields directly: properties cost ~40% of this path.)
-        if (
-            st is not None
-            and tokens._end - tokens._processed == 1
-            and tokens._len + self.num_speculative_tokens <= st.num_pages * self.page_size
-        ):
-            self._input_tokens += 1
-            return
+        if st is not None and tokens._end - tokens._processed == 1:
+            if tokens._len + self.num_speculative_tokens <= st.num_pages * self.page_size:
+                self._input_tokens += 1
+                return
+            if tokens._processed and not st.dummy and self._alloc_decode(st, ctx, num_scheduled_tokens):
+                return
         st = self._claimed(ctx.request_id)
         hits, need, new_keys, digest, partial = self._plan(st, ctx)
         if need > 0:
@@ -189,6 +188,27 @@ class BlockManager:
         self._input_tokens += tokens.active_length
         if self.commit_on_alloc:
             self._commit_scheduled(st, ctx, num_scheduled_tokens)
+
+    def _alloc_decode(self, st: RequestPages, ctx: TextContext, num_scheduled_tokens: int | None) -> bool:
+        """`alloc` of an admitted request's one active token that needs new pages (a decode step's), without the
+        general path's prefix lookup, partial copy and tier load, none of which applies to it. False, having
+        changed nothing, when a check fails: the general path then raises its error."""
+        tokens, ps, pool = ctx.tokens, self.page_size, self.pool
+        need_tokens = tokens._len + self.num_speculative_tokens
+        if tokens._processed > st.num_pages * ps or need_tokens > pool.num_blocks * ps:
+            return False
+        need = -(-need_tokens // ps) - st.num_pages
+        if need > pool.num_free:
+            return False
+        pages = pool.allocate(need)
+        if need == 1:
+            st.push(pages[0])
+        else:
+            st.append(pages)
+        self._input_tokens += 1
+        if self.commit_on_alloc:
+            self._commit_scheduled(st, ctx, num_scheduled_tokens)
+        return True
 
     def _commit_scheduled(self, st: RequestPages, ctx: TextContext, num_scheduled_tokens: int | None) -> None:
         """vLLM's schedule-time caching: commit the full pages this step's chunk will write, so requests

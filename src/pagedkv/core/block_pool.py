@@ -148,12 +148,16 @@ class BlockPool:
         their hash and their pins. Raises `InsufficientBlocksError` (and takes
         nothing) when there are fewer than `n` such pages.
         """
+        fresh, ref = self._fresh, self._ref
+        if n == 1 and fresh:  # (a decode step's page: the top of the fresh stack, nothing to check)
+            page = fresh.pop()
+            ref[page] = 1
+            return [page]
         free = self.num_free - self.num_protected
         if n > free:
             raise InsufficientBlocksError(
                 f"Cannot get {n} free blocks (only {free} available)", needed=n, available=free
             )
-        fresh, ref = self._fresh, self._ref
         k = min(n, len(fresh))
         pages = fresh[len(fresh) - k :].tolist()
         pages.reverse()
