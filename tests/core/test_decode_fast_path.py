@@ -93,3 +93,59 @@ def test_fast_path_matches_general_path(layout: str, seed: int) -> None:
         assert snapshot(fast, *(x for x, _ in live.values())) == snapshot(slow, *(y for _, y in live.values()))
         fast.check_integrity()
     assert fast.fast_steps > 10  # type: ignore[attr-defined]  # the fast path really ran (not just the hot one)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_manager_decode_page_path_matches_general_path(seed: int) -> None:
+    """`BlockManager._alloc_decode` (a decode token that needs a new page) against the general `alloc` path:
+    the same random lifecycle (shared prefixes, draft slots, a tight pool with protected pins off or on,
+    schedule-time commits) leaves both managers in the same state after every call, or fails both with the
+    same error (the fast path hands every refusal to the general path)."""
+    from pagedkv.core.block_manager import BlockManager
+
+    rng = random.Random(seed)
+    spec = rng.choice([0, 0, 2])
+
+    def make() -> BlockManager:
+        return BlockManager(rng_blocks, 4, enable_prefix_caching=True, num_speculative_tokens=spec,
+                            commit_on_alloc=commit)  # fmt: skip
+
+    rng_blocks, commit = rng.choice([10, 16, 30]), rng.choice([False, True])
+    fast, slow = make(), make()
+    slow._alloc_decode = lambda *args: False  # type: ignore[method-assign]
+    real, taken = fast._alloc_decode, []
+
+    def counted(*args: object) -> bool:
+        done = real(*args)  # type: ignore[arg-type]
+        taken.append(done)
+        return done
+
+    fast._alloc_decode = counted  # type: ignore[method-assign]
+    prefixes = [list(range(100, 113)), list(range(200, 209))]
+    live: dict[int, tuple] = {}
+    for step in range(300):
+        if len(live) < 3 and rng.random() < 0.3:
+            tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 6))]
+            live[step] = (ctx(step, tokens), ctx(step, tokens))
+            fast.claim(step)
+            slow.claim(step)
+        if not live:
+            continue
+        rid = rng.choice(sorted(live))
+        a, b = live[rid]
+        if rng.random() < 0.06 or len(a.tokens) > 48:
+            fast.release(rid)
+            slow.release(rid)
+            del live[rid]
+        else:
+            err = call(fast, "alloc", a)  # type: ignore[arg-type]
+            assert err == call(slow, "alloc", b)  # type: ignore[arg-type]
+            if err is None:
+                token = rng.randrange(50)
+                a.update(token)
+                b.update(token)
+                fast.step(a)
+                slow.step(b)
+        assert snapshot(fast, *(x for x, _ in live.values())) == snapshot(slow, *(y for _, y in live.values()))
+        fast.check_integrity()
+    assert sum(taken) > 5  # the decode page path really ran (and in tight pools declined: seed 2)
