@@ -246,17 +246,18 @@ class BlockManager:
         reqs, ps, caching = self._reqs, self.page_size, self.enable_prefix_caching
         batch = batch if isinstance(batch, list | tuple) else list(batch)
         states = claimed_states(reqs, batch)  # every request is checked before any commit
+        if not caching:
+            return
         for ctx, st in zip(batch, states, strict=True):
-            if not caching or st.dummy:  # a dummy (padding) row has nothing to commit
+            if st.dummy:  # a dummy (padding) row has nothing to commit
                 continue
-            tokens = ctx.tokens
-            done, last = tokens._processed, tokens._len - 1  # hot path: fields, not properties, and no min()
-            n_commit = (done if done < last else last) // ps
             if st.unwritten >= 0:  # pages committed at alloc are written now: announce them
                 first, st.unwritten = st.unwritten, -1
                 self._announce(st, ctx, first, st.committed)
-            if n_commit > st.committed:
-                self._commit(st, ctx, n_commit)
+            tokens = ctx.tokens
+            done, bound = tokens._processed, (st.committed + 1) * ps  # (hot path: fields, not properties)
+            if done >= bound and tokens._len > bound:  # min(processed, len - 1) fills another page
+                self._commit(st, ctx, min(done, tokens._len - 1) // ps)
 
     def _commit(self, st: RequestPages, ctx: TextContext, n_commit: int, scheduled: bool = False) -> None:
         """Commit pages [committed, n_commit). `scheduled`: at alloc, before their KV is written: a page

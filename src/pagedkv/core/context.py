@@ -166,20 +166,20 @@ class TokenBuffer:
 
     def advance_with_token(self, token: int) -> None:
         """Mark the window processed and append `token` as the new active token."""
-        if self._end < self._len:
+        n, array = self._len, self._array  # (locals: this runs once per request per decode step)
+        if self._end < n:
             raise ValueError("advance_with_token while chunked: call advance_chunk() first")
         if type(token) is not int and (not isinstance(token, int | np.integer) or isinstance(token, bool)):
             raise TypeError(f"token={token!r} must be an int")
         if not _INT32_MIN <= token <= _INT32_MAX:
             raise ValueError(f"token {token} is outside int32 [{_INT32_MIN}, {_INT32_MAX}]")
-        if self._len == len(self._array):
-            grown = np.empty(2 * self._len, dtype=np.int32)
-            grown[: self._len] = self._array[: self._len]
-            self._array = grown
-        self._array[self._len] = token
-        self._processed = self._len
-        self._len += 1
-        self._end = self._len
+        if n == len(array):
+            array = np.empty(2 * n, dtype=np.int32)
+            array[:n] = self._array[:n]
+            self._array = array
+        array[n] = token
+        self._processed = n
+        self._len = self._end = n + 1
 
     def reset_as_new_prompt(self) -> None:
         """Forget all processing: every token (generated ones too) becomes prompt."""
