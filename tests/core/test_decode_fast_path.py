@@ -9,6 +9,7 @@ fast path is switched off. After every call both must be in the same state
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -50,7 +51,7 @@ def pair(layout: str, blocks: int, spec: int, fraction: float) -> tuple[KVCacheC
     return fast, slow
 
 
-def call(c: KVCacheCoordinator, op: str, arg: object) -> str | None:
+def call(c: Any, op: str, arg: object) -> str | None:
     try:
         getattr(c, op)(arg)
     except InsufficientBlocksError as exc:
@@ -58,26 +59,23 @@ def call(c: KVCacheCoordinator, op: str, arg: object) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("seed", range(6))
-def test_fast_path_matches_general_path(layout: str, seed: int) -> None:
-    rng = random.Random(seed)
-    blocks, spec = rng.choice([14, 20, 40]), rng.choice([0, 0, 2])
-    fast, slow = pair(layout, blocks, spec, rng.choice([0.0, 0.25, 1.0]))
+def lifecycle(fast: Any, slow: Any, rng: random.Random, steps: int, release: float, longest: int) -> None:
+    """The same random lifecycle on two managers (up to 3 requests over 2 shared prefixes, each released with
+    probability `release` a step or once longer than `longest`; alloc, update, step): after every call both are
+    in the same state or failed with the same error, and `fast` passes `check_integrity()`."""
     prefixes = [list(range(100, 113)), list(range(200, 209))]
     live: dict[int, tuple] = {}
-    for step in range(160):
+    for step in range(steps):
         if len(live) < 3 and rng.random() < 0.3:
-            rid = step
             tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 6))]
-            live[rid] = (ctx(rid, tokens), ctx(rid, tokens))
-            fast.claim(rid)
-            slow.claim(rid)
+            live[step] = (ctx(step, tokens), ctx(step, tokens))
+            fast.claim(step)
+            slow.claim(step)
         if not live:
             continue
         rid = rng.choice(sorted(live))
         a, b = live[rid]
-        if rng.random() < 0.08 or len(a.tokens) > 40:
+        if rng.random() < release or len(a.tokens) > longest:
             fast.release(rid)
             slow.release(rid)
             del live[rid]
@@ -92,6 +90,15 @@ def test_fast_path_matches_general_path(layout: str, seed: int) -> None:
                 slow.step(b)
         assert snapshot(fast, *(x for x, _ in live.values())) == snapshot(slow, *(y for _, y in live.values()))
         fast.check_integrity()
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("seed", range(6))
+def test_fast_path_matches_general_path(layout: str, seed: int) -> None:
+    rng = random.Random(seed)
+    blocks, spec = rng.choice([14, 20, 40]), rng.choice([0, 0, 2])
+    fast, slow = pair(layout, blocks, spec, rng.choice([0.0, 0.25, 1.0]))
+    lifecycle(fast, slow, rng, steps=160, release=0.08, longest=40)
     assert fast.fast_steps > 10  # type: ignore[attr-defined]  # the fast path really ran (not just the hot one)
 
 
@@ -121,31 +128,5 @@ def test_block_manager_decode_page_path_matches_general_path(seed: int) -> None:
         return done
 
     fast._alloc_decode = counted  # type: ignore[method-assign]
-    prefixes = [list(range(100, 113)), list(range(200, 209))]
-    live: dict[int, tuple] = {}
-    for step in range(300):
-        if len(live) < 3 and rng.random() < 0.3:
-            tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 6))]
-            live[step] = (ctx(step, tokens), ctx(step, tokens))
-            fast.claim(step)
-            slow.claim(step)
-        if not live:
-            continue
-        rid = rng.choice(sorted(live))
-        a, b = live[rid]
-        if rng.random() < 0.06 or len(a.tokens) > 48:
-            fast.release(rid)
-            slow.release(rid)
-            del live[rid]
-        else:
-            err = call(fast, "alloc", a)  # type: ignore[arg-type]
-            assert err == call(slow, "alloc", b)  # type: ignore[arg-type]
-            if err is None:
-                token = rng.randrange(50)
-                a.update(token)
-                b.update(token)
-                fast.step(a)
-                slow.step(b)
-        assert snapshot(fast, *(x for x, _ in live.values())) == snapshot(slow, *(y for _, y in live.values()))
-        fast.check_integrity()
+    lifecycle(fast, slow, rng, steps=300, release=0.06, longest=48)
     assert sum(taken) > 5  # the decode page path really ran (and in tight pools declined: seed 2)
