@@ -207,7 +207,7 @@ class PrefixHasher:
         else:
             return self._keys(digests), parent
         parent = self._hash_pages(data, done * step, parent, digests)  # (`key` starts the new run)
-        self._keep(key, _Run(data[done * step :] if done else data, digests[done:]))
+        self._keep(key, _Run(data[done * step :], digests[done:]))  # (bytes[0:] is the same object)
         return self._keys(digests), parent
 
     def _hash_pages(self, data: bytes, offset: int, parent: bytes, digests: list[bytes]) -> bytes:
