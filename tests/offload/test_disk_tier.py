@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pagedkv.core.hashing import hash_tokens
+from pagedkv.offload.disk import DiskTier
 from pagedkv.offload.format import HEADER_SIZE
 
 PROMPT = list(range(1, 30))  # 29 tokens, pages of 4: the first 7 pages are a shareable prefix
@@ -85,3 +88,35 @@ def test_size_cap_deletes_least_recently_used(tmp_path: Path, worker: Any) -> No
     assert report["disk_used"] == 3 and disk["pages_stored"] == 8 and disk["evictions"] == 5
     assert len(list(tmp_path.rglob("*.page"))) == 3
     assert page_file(tmp_path, 7).exists()  # the last one written (alone, by the last step) stays
+
+
+class _YieldingLock:
+    """A lock that lets the other threads run right after each release: what a loaded machine does now and then."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+        time.sleep(0.0005)
+
+
+@pytest.mark.parametrize("capacity", [1, 4])
+def test_concurrent_writers_keep_the_cap_exactly(tmp_path: Path, capacity: int) -> None:
+    """Eight writer threads past a small cap, each yielding after every locked section: each eviction is decided and
+    unindexed under one lock, so no two writers delete the same victim; the cap holds exactly and every page beyond
+    it is counted once."""
+    tier = DiskTier(tmp_path, 64, capacity * (HEADER_SIZE + 64), b"c" * 16, "sha256", threads=8)
+    tier._lock = _YieldingLock()  # type: ignore[assignment]
+    keys = [bytes([i % 256, i // 256]) + bytes(30) for i in range(400)]
+    done: list[int] = []
+    tier.store(keys, [memoryview(bytes([i % 251]) * 64) for i in range(400)], done.append)
+    tier.wait()
+    assert sorted(done) == list(range(400))
+    stats = tier.stats.snapshot()
+    assert (stats["pages_stored"], stats["evictions"]) == (400, 400 - capacity)
+    assert tier.num_used_pages == capacity == len(list(tmp_path.rglob("*.page")))
+    tier.shutdown()

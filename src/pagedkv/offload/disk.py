@@ -325,25 +325,34 @@ class DiskTier(LowerTier):
             with self._lock:
                 self._writing.discard(key)
                 self._index[key] = None
+            self._make_room(writing=False)
             self.stats.add(pages_stored=1, bytes_stored=self.row_bytes)
             self.stats.observe("store", time.perf_counter() - start)
             self._log.recovered("full", "disk tier: writes succeed again")
         finally:
             done(i)
 
-    def _make_room(self) -> None:
-        """Delete least recently used pages until one more fits under the cap."""
-        with self._lock:
-            over = len(self._index) + len(self._writing) - self.capacity
+    def _make_room(self, writing: bool = True) -> None:
+        """Delete least recently used pages until the pages being written fit under the cap (`writing` False: until
+        the stored ones do; a writer calls it again once its page is indexed, so pages written side by side never
+        leave the disk over the cap)."""
+        with self._lock:  # (chosen and unindexed under one lock: two writers never pick the same victim)
+            over = len(self._index) + (len(self._writing) if writing else 0) - self.capacity
             victims = list(itertools.islice(self._index, over)) if over > 0 else []  # O(victims), not O(index)
+            for key in victims:
+                del self._index[key]
         if victims:
             self.stats.add(evictions=len(victims))
-            self._delete(victims)
+            self._unlink(victims)
 
     def _delete(self, keys: list[bytes]) -> None:
         with self._lock:
             for key in keys:
                 self._index.pop(key, None)
+        self._unlink(keys)
+
+    def _unlink(self, keys: list[bytes]) -> None:
+        """Remove the files of `keys` (no longer indexed) and tell the listeners."""
         for key in keys:
             self.path(key).unlink(missing_ok=True)
         if self.emit is not None and keys:
