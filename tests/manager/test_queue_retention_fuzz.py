@@ -111,3 +111,66 @@ def test_fuzz(seed, policy, lf, coa):
         bm.unexpect(c.request_id)
     check_wants(bm)
     assert bm.pool.num_wanted == 0 and not bm.wants.entries
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_expect_of_a_moved_on_queue_wants_what_a_full_pass_wants(seed):
+    """`expect` told the last queue less its admitted heads, plus newcomers, looks only at the newcomers; twin
+    managers, one made to look at every context each call, end every step with the same tickets, the same wants
+    and the same evictions, through admissions, a window that grows and shrinks, preemptions put back at the
+    front, requests leaving from the middle and weights version changes."""
+    rng = random.Random(seed)
+    twins = [BlockManager(20, PS, enable_prefix_caching=True) for _ in range(2)]
+    bases = [np.arange(b, b + 40) for b in (100, 200, 300)]
+    waiting: list[list[TextContext]] = [[], []]  # the same requests, one context object per twin
+    running: list[dict[str, TextContext]] = [{}, {}]
+    nid = 0
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.3:
+            toks = np.concatenate([rng.choice(bases)[: rng.randint(2, 30)], rng.sample(range(1000, 2000), 3)])
+            for w in waiting:
+                w.append(TextContext(f"r{nid}", toks))
+            nid += 1
+        elif op < 0.55 and waiting[0]:  # admit the head
+            outcomes = []
+            for bm, w, r in zip(twins, waiting, running, strict=True):
+                c = w[0]
+                bm.claim(c.request_id)
+                try:
+                    bm.alloc(c)
+                except InsufficientBlocksError:
+                    bm.release(c.request_id)
+                    outcomes.append(None)
+                    continue
+                outcomes.append(bm.get_req_blocks(c.request_id))
+                r[w.pop(0).request_id] = c
+            assert outcomes[0] == outcomes[1]
+        elif op < 0.7 and running[0]:  # finish one, or preempt it back to the queue's front
+            rid = rng.choice(sorted(running[0]))
+            back = rng.random() < 0.4
+            for bm, w, r in zip(twins, waiting, running, strict=True):
+                c = r.pop(rid)
+                c.update(7)
+                bm.step(c)
+                bm.release(rid)
+                if back:
+                    c.reset()
+                    w.insert(0, c)
+        elif op < 0.75 and len(waiting[0]) > 1:  # one leaves from the middle
+            i = rng.randrange(1, len(waiting[0]))
+            for bm, w in zip(twins, waiting, strict=True):
+                bm.unexpect(w.pop(i).request_id)
+        elif op < 0.78:
+            version = rng.choice([None, "v2"])
+            for bm in twins:
+                bm.hasher.set_version(version)
+        window = rng.randint(0, 6)
+        twins[1].wants._last = None  # (the full pass)
+        added = [bm.expect(w[:window]) for bm, w in zip(twins, waiting, strict=True)]
+        assert added[0] == added[1]
+        entries = [{rid: (keys, t) for rid, (keys, t, _) in bm.wants.entries.items()} for bm in twins]
+        assert entries[0] == entries[1]
+        assert dict(twins[0].pool._wanted) == dict(twins[1].pool._wanted)
+        for bm in twins:
+            check_wants(bm)

@@ -35,6 +35,7 @@ class QueueWants:
         self.extra: Callable[[TextContext, list[BlockHash]], list[BlockHash]] | None = None
         self._last: tuple[list[TextContext], str | None] | None = None  # the last call's queue and weights version
         self._keyed: object = object()  # the weights version every entry was last checked under
+        self._gone: list[RequestID] = []  # requests `unexpect`ed since the last call
 
     def __bool__(self) -> bool:
         return bool(self.entries)
@@ -43,33 +44,75 @@ class QueueWants:
         """Want the prefixes of `contexts` (the waiting queue's head, in order), skipping those `started`
         says are admitted or resumed already; returns how many were newly expected. TypeError for a
         non-`TextContext`, before anything changes. The same queue as the last call, under the same weights
-        version, changes nothing and costs one comparison of the same objects (the scheduler tells it every step)."""
+        version, changes nothing and costs one comparison of the same objects (the scheduler tells it every step);
+        the last queue less its admitted heads, newcomers behind, costs C-level comparisons and the newcomers' wants."""
         queue = (list(contexts), self.hasher.version)
-        if queue == self._last:  # (the same context objects: checked already)
+        if queue == self._last and not self._gone:  # (the same context objects: checked already)
             return 0
-        if not set(map(type, contexts)) <= {TextContext}:
+        last, gone = self._last, self._gone
+        start = None  # (the last queue, less admitted heads, then newcomers from `start` on: only those are new)
+        if last is not None and queue[1] == last[1] == self._keyed:
+            start = self._moved_on(last[0], queue[0], gone)
+        if not set(map(type, queue[0][start or 0 :])) <= {TextContext}:
             bad = next(c for c in contexts if type(c) is not TextContext)
             raise TypeError(f"contexts holds {type(bad).__name__}, expected TextContext")
+        self._gone = []
+        if start is not None:
+            self._last = queue
+            return self._want_each(queue[0], start, started)
         rekey = queue[1] != self._keyed  # (roots change with the weights version only)
         self._last, self._keyed = queue, queue[1]
+        entries = self.entries
+        if rekey:
+            for ctx in queue[0]:
+                entry = entries.get(ctx.request_id)
+                if entry is not None and entry[2] != self.hasher.root(ctx.cache_salt):  # under other weights
+                    self.unexpect(ctx.request_id)
+                    self._want(ctx, entry[1])
+            self._gone = []
+        return self._want_each(queue[0], 0, started)
+
+    @staticmethod
+    def _moved_on(old: list[TextContext], new: list[TextContext], gone: list[RequestID]) -> int | None:
+        """Where `new` stops repeating `old`: `old` less its first k contexts is a prefix of `new` (or `new` is a
+        prefix of it), and every request unexpected since lies in those k; None when the queue changed otherwise."""
+        if not new:
+            return 0
+        first = new[0]
+        k = next((i for i, ctx in enumerate(old) if ctx is first), -1)
+        if k < 0:
+            return None
+        m = min(len(old) - k, len(new))
+        if new[:m] != old[k : k + m]:
+            return None
+        if gone and not {c.request_id for c in old[:k]}.issuperset(gone):
+            return None
+        return m
+
+    def _want_each(self, contexts: list[TextContext], start: int, started: Callable[[TextContext], bool]) -> int:
+        """Want each of ``contexts[start:]`` that has no want yet and is not `started`, ticketed between the known
+        ones around it; returns how many."""
         entries, added = self.entries, 0
-        after: list[float | None] = [None] * len(contexts)  # the ticket of the next known context behind each
-        known: float | None = None
-        for i in range(len(contexts) - 1, -1, -1):
-            after[i] = known
-            entry = entries.get(contexts[i].request_id)
-            known = entry[1] if entry is not None else known
         before: float | None = None
-        for ctx, nxt in zip(contexts, after, strict=True):
-            rid = ctx.request_id
-            entry = entries.get(rid)
-            if rekey and entry is not None and entry[2] != self.hasher.root(ctx.cache_salt):  # under other weights
-                self.unexpect(rid)
-                self._want(ctx, entry[1])
-                entry = entries[rid]
+        for i in range(start - 1, -1, -1):  # (the last known ticket ahead: usually the one just ahead)
+            entry = entries.get(contexts[i].request_id)
+            if entry is not None:
+                before = entry[1]
+                break
+        n = len(contexts) - start
+        after: list[float | None] = [None] * n  # the ticket of the next known context behind each
+        known: float | None = None
+        for i in range(n - 1, -1, -1):
+            after[i] = known
+            entry = entries.get(contexts[start + i].request_id)
+            known = entry[1] if entry is not None else known
+        for i in range(n):
+            ctx = contexts[start + i]
+            entry = entries.get(ctx.request_id)
             if entry is not None or started(ctx):
                 before = entry[1] if entry is not None else before
                 continue
+            nxt = after[i]
             if nxt is None:  # behind every known one: the next ticket
                 self.ticket = max(self.ticket, before or 0.0) + 1
                 ticket = self.ticket
@@ -92,6 +135,6 @@ class QueueWants:
         """End the want recorded for `request_id` (no-op when there is none)."""
         entry = self.entries.pop(request_id, None)
         if entry is not None:
-            self._last = None  # (the next call looks at every context again)
+            self._gone.append(request_id)  # (the next call looks at every context again unless it left the queue)
         if entry is not None and entry[0]:
             self.pool.want(entry[0], entry[1], -1)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from itertools import repeat
 
 from pagedkv.core.errors import require
-from pagedkv.core.eviction import LRU, PROBATION, WANTED, ArcState, FreeLists, HeapOrder
+from pagedkv.core.eviction import LRU, NONE, PROBATION, WANTED, ArcState, FreeLists, HeapOrder
 from pagedkv.core.hashing import BlockHash
 
 __all__ = ["WantedPages", "UNWANTED"]
@@ -45,6 +45,7 @@ class WantedPages:
         self.heap: list[tuple[float, int, int]] = []  # (rank, sequence, page); stale entries are skipped
         self.sequence = array("q", [0]) * lists.n  # when each set-aside page was set aside
         self.next_sequence = 0
+        self.top = float("-inf")  # no want was ever added with a later ticket (a bound: withdrawals keep it)
         self.released = False  # a set-aside page may have lost its last want since the last check (`victim`)
 
     def __bool__(self) -> bool:
@@ -57,48 +58,66 @@ class WantedPages:
         pass each way."""
         keys = keys if type(keys) is list else list(keys)
         wanted = self.tickets
-        if delta > 0 and wanted.keys().isdisjoint(keys):  # (a chain's keys are distinct: no key twice in `keys`)
+        if delta < 0:
+            if list(map(wanted.get, keys)).count(ticket) == len(keys):  # (its own tickets alone)
+                deque(map(wanted.pop, keys, repeat(None)), maxlen=0)
+                return keys
+            return self._withdraw(keys, ticket)
+        top, self.top = self.top, max(self.top, ticket)
+        if wanted.keys().isdisjoint(keys):  # (a chain's keys are distinct: no key twice in `keys`)
             wanted.update(zip(keys, repeat(ticket)))
             return keys
-        if delta < 0 and list(map(wanted.get, keys)).count(ticket) == len(keys):  # (its own tickets alone)
-            deque(map(wanted.pop, keys, repeat(None)), maxlen=0)
-            return keys
+        if ticket >= top:  # (queued behind every want: the first ticket changes only where there was none)
+            return self._add_last(keys, ticket)
         changed = []
-        for key in keys:
+        for key in keys:  # (queued ahead of others: a preempted request put back at the front)
             tickets = wanted.get(key)
             if tickets is None:
-                if delta > 0:
-                    wanted[key] = ticket
+                wanted[key] = ticket
+                changed.append(key)
+            elif not isinstance(tickets, deque):  # wanted once
+                wanted[key] = deque((tickets, ticket) if ticket >= tickets else (ticket, tickets))
+                if ticket < tickets:
                     changed.append(key)
-                continue
-            if not isinstance(tickets, deque):  # wanted once
-                if delta > 0:
-                    wanted[key] = deque((tickets, ticket) if ticket >= tickets else (ticket, tickets))
-                    if ticket < tickets:
-                        changed.append(key)
-                elif tickets == ticket:
-                    del wanted[key]
+            elif ticket >= tickets[-1]:
+                tickets.append(ticket)
+            elif ticket <= tickets[0]:
+                if ticket < tickets[0]:
                     changed.append(key)
-                continue
-            first = tickets[0]
-            if delta > 0:
-                if ticket >= tickets[-1]:
-                    tickets.append(ticket)
-                elif ticket <= first:
-                    tickets.appendleft(ticket)
-                else:  # (a request queued between two others: rare)
-                    tickets.insert(bisect.bisect_left(list(tickets), ticket), ticket)
+                tickets.appendleft(ticket)
+            else:  # (between two others: rare)
+                tickets.insert(bisect.bisect_left(list(tickets), ticket), ticket)
+        return changed
+
+    def _add_last(self, keys: list[BlockHash], ticket: float) -> list[BlockHash]:
+        """`update`'s add of a ticket no want is later than: queued behind each; new keys change."""
+        wanted, changed = self.tickets, []
+        for key, tickets in zip(keys, map(wanted.get, keys), strict=True):
+            if tickets is None:
+                wanted[key] = ticket
+                changed.append(key)
+            elif isinstance(tickets, deque):
+                tickets.append(ticket)
             else:
-                if first == ticket:  # (the queue's head leaves first: O(1))
+                wanted[key] = deque((tickets, ticket))
+        return changed
+
+    def _withdraw(self, keys: list[BlockHash], ticket: float) -> list[BlockHash]:
+        """`update`'s withdrawal of `ticket` from `keys`: the keys whose first ticket changed."""
+        wanted, changed = self.tickets, []
+        for key, tickets in zip(keys, map(wanted.get, keys), strict=True):
+            if isinstance(tickets, deque):
+                if tickets[0] == ticket:  # (the queue's head leaves first: O(1))
                     tickets.popleft()
                 else:
                     with contextlib.suppress(ValueError):
                         tickets.remove(ticket)
+                    continue  # (its first ticket stays)
                 if not tickets:
                     del wanted[key]
-                    changed.append(key)
-                    continue
-            if tickets[0] != first:
+                changed.append(key)
+            elif tickets == ticket:
+                del wanted[key]
                 changed.append(key)
         return changed
 
@@ -213,11 +232,29 @@ class WantedPages:
                 pages += taken
                 if passed:
                     self._set_aside_heads(passed, which)
-        while len(pages) < n:
-            page = self.victim()
-            lists.unlink(page)
-            pages.append(page)
+        if len(pages) < n:
+            self._take_aside(pages, n)
         return pages
+
+    def _take_aside(self, pages: list[int], n: int) -> None:
+        """Unlink set-aside pages in `victim`'s order onto `pages` until it holds `n` (they exist: `take`)."""
+        heap, lists, sequence, hashes, tickets = self.heap, self.lists, self.sequence, self.hashes, self.tickets
+        where, prv, nxt, pop = lists.where, lists.prev, lists.next, heapq.heappop
+        left = taken = n - len(pages)
+        while left:  # (inlined `victim`, `rank` and `unlink`: this runs once per wanted page evicted)
+            rank, seq, page = pop(heap)
+            if where[page] != WANTED or sequence[page] != seq:
+                continue  # (stale: the page left, or it was set aside again since)
+            wanting = tickets.get(hashes[page])  # type: ignore[arg-type]
+            if rank != (UNWANTED if wanting is None else -(wanting[0] if isinstance(wanting, deque) else wanting)):
+                continue  # (re-ranked since)
+            before, after = prv[page], nxt[page]
+            nxt[before] = after
+            prv[after] = before
+            where[page] = NONE
+            pages.append(page)
+            left -= 1
+        lists.count[WANTED] -= taken
 
     def victim(self, unwanted_only: bool = False) -> int:
         """The set-aside page to evict next: lowest rank (`UNWANTED`, then the latest first ticket), then the

@@ -152,8 +152,9 @@ def simulate(
             adapter.new_step()
             sec["extend"] += clock() - t0
             if lookahead is not None and waiting:  # the queue's head, as many as there are free batch slots
+                head = list(itertools.islice(waiting, max(0, config.max_num_seqs - len(running))))
                 t0 = clock()
-                lookahead(list(itertools.islice(waiting, max(0, config.max_num_seqs - len(running)))))
+                lookahead(head)
                 sec["lookahead"] += clock() - t0
             budget = config.max_num_batched_tokens
             batch, preempted = _schedule_running(adapter, running, waiting, budget, res)
