@@ -11,7 +11,7 @@ import pytest
 
 from pagedkv.bench.compare.pagedkv_adapter import BeladyAdapter, PagedKVAdapter, compare_params
 from pagedkv.bench.compare.report import format_markdown, policy_verdict, write_plots
-from pagedkv.bench.compare.run import POLICIES, capacities, run_compare
+from pagedkv.bench.compare.run import POLICIES, capacities, pagedkv_adapter, run_compare
 from pagedkv.bench.compare.sim import SimConfig, simulate
 from pagedkv.bench.workloads import WORKLOADS, TraceRequest, decode_trace, ideal_hit_rates, make_trace, unique_pages
 from pagedkv.cli import main, parser
@@ -113,8 +113,8 @@ def test_run_compare_writes_tables_and_plots(tmp_path: Path) -> None:
     managers = {r["manager"] for r in result["rows"]}
     if importlib.util.find_spec("vllm") is None:
         assert "vllm" in result["skipped"] and "vllm" not in managers  # reported, not faked
-    assert {"pagedkv-lru", "pagedkv-lru-step", "pagedkv-slru", "pagedkv-lfu", "pagedkv-arc", "pagedkv-lru-leaves",
-            "belady"} <= managers  # fmt: skip
+    assert {"pagedkv-lru", "pagedkv-lru-step", "pagedkv-lru-noqueue", "pagedkv-slru", "pagedkv-lfu", "pagedkv-arc",
+            "pagedkv-lru-leaves", "belady"} <= managers  # fmt: skip
     lru, step = ({r["capacity_pages"]: r["hit_rate"] for r in result["rows"] if r["manager"] == m}
                  for m in ("pagedkv-lru", "pagedkv-lru-step"))  # fmt: skip
     assert all(lru[c] >= step[c] for c in lru)  # schedule-time caching (the default) never hits less
@@ -124,6 +124,7 @@ def test_run_compare_writes_tables_and_plots(tmp_path: Path) -> None:
     assert 0 < top["pagedkv-lru"]["hit_rate"] <= result["ideal"]["fewshot"]["page"]  # (same-step misses)
     text = format_markdown(result)
     assert "| fewshot |" in text and "Winner" in text and "pagedkv_sha256" in text
+    assert "| lru-noqueue/vllm |" in text if "vllm" in managers else "| lru/vllm |" not in text
     paths = write_plots(result, tmp_path)
     assert [p.name for p in paths] == ["hit_rate_fewshot.png", "bookkeeping_us.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
@@ -253,3 +254,22 @@ def test_repeats_keep_each_managers_fastest_replay_and_the_same_counters() -> No
     assert [r["manager"] for r in twice["rows"]] == ["pagedkv-lru", "pagedkv-slru"] and twice["config"]["repeats"] == 2
     with pytest.raises(ValueError, match="repeats=0"):
         run_compare(["zipf"], 30, fractions=[0.5], peers=[], belady=False, repeats=0)
+
+
+def test_the_no_queue_row_runs_the_defaults_without_expect() -> None:
+    """`pagedkv-lru-noqueue`: the defaults' manager, never told the queue. With room for everything the two rows hit
+    the same tokens; in a pool of 18 pages the queue-aware row keeps what the queue's head will hit (1536 tokens hit
+    against 576), and only it spends time in `lookahead`."""
+    trace = shared_trace()
+    for pages, same in ((unique_pages(trace, PS), True), (18, False)):
+        runs = {}
+        for name in ("pagedkv-lru", "pagedkv-lru-noqueue"):
+            adapter = pagedkv_adapter(name, pages, PS)
+            runs[name] = simulate(adapter, trace, SimConfig(max_num_seqs=4))
+            adapter.mgr.check_integrity()
+            assert adapter.bm.pool.num_wanted == 0
+        lru, noqueue = runs["pagedkv-lru"], runs["pagedkv-lru-noqueue"]
+        assert noqueue.seconds["lookahead"] == 0 < lru.seconds["lookahead"]
+        assert (noqueue.first_hit_tokens, lru.first_hit_tokens) == (
+            (2304, 2304) if same else (576, 1536)
+        )  # (36 x 64: the ideal)

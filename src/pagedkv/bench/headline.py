@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.bench import report
+from pagedkv.bench.compare.report import NO_QUEUE
 
 __all__ = ["BEGIN", "END", "add_arguments", "command", "compare_lines", "render", "replace_block", "state_lines"]
 
@@ -74,6 +75,12 @@ def compare_lines(result: dict[str, Any]) -> list[str]:
         parts = [f"{decode[default] / decode[p]:.2f} of {PEERS[p]}'s ({decode[p]:.2f})" for p in ratios if p in decode]
         lines.append(f"- A plain decode step (no page taken or filled): {decode[default]:.2f} µs per request, "
                      f"{' and '.join(parts)}.")  # fmt: skip
+    plain = {p: [row[NO_QUEUE]["bookkeeping_us"] / row[p]["bookkeeping_us"] for row in cells.values()
+                 if NO_QUEUE in row and p in row and row[p]["bookkeeping_us"] > 0] for p in ratios}  # fmt: skip
+    spans = [f"{min(v):.2f} to {max(v):.2f} of {PEERS[p]}'s" for p, v in plain.items() if v]
+    if spans:
+        lines.append(f"- The same manager under a scheduler that never tells it the queue (`{NO_QUEUE}`, the hit "
+                     f"rates of plain LRU): {' and '.join(spans)}.")  # fmt: skip
     return lines
 
 

@@ -23,7 +23,7 @@ from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheParams
 
-__all__ = ["PagedKVAdapter", "BeladyAdapter", "BeladyOracle", "compare_params", "handles"]
+__all__ = ["PagedKVAdapter", "PagedKVNoQueueAdapter", "BeladyAdapter", "BeladyOracle", "compare_params", "handles"]
 
 
 def compare_params(page_size: int = 16, **kwargs: Any) -> KVCacheParams:
@@ -104,6 +104,13 @@ class PagedKVAdapter:
 
     def used_pages(self) -> int:
         return self.bm.pool.num_used
+
+
+class PagedKVNoQueueAdapter(PagedKVAdapter):
+    """pagedkv's manager under a scheduler that never tells it the queue (no `expect`: queue-aware retention off),
+    as vLLM's and MAX's managers run: what the manager costs at the hit rates of plain LRU."""
+
+    lookahead = None  # type: ignore[assignment]  # (the driver calls `lookahead` only where it is not None)
 
 
 class BeladyOracle:

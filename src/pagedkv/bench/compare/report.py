@@ -11,6 +11,7 @@ from pagedkv.bench import report
 __all__ = ["cells", "format_markdown", "plots", "policy_verdict", "write_plots"]
 
 BASE = "pagedkv-lru"
+NO_QUEUE = "pagedkv-lru-noqueue"  # the defaults under a scheduler that never calls `expect`
 
 
 def cells(result: dict[str, Any]) -> dict[tuple[str, int], dict[str, dict[str, Any]]]:
@@ -62,16 +63,25 @@ def format_markdown(result: dict[str, Any]) -> str:
         vals = " | ".join(f"{row[m]['prefill_tokens_computed']} / {row[m]['preemptions']}" if m in row else "-"
                           for m in managers)  # fmt: skip
         lines.append(f"| {w} | {pages} | {vals} |")
-    lines += ["", "### Bookkeeping µs per scheduled request-step; ratio and hit-rate points pagedkv-lru vs peer", ""]
+    lines += [
+        "",
+        "### Bookkeeping µs per scheduled request-step; ratios to each peer, and hit-rate points of "
+        f"{BASE} vs peer ({NO_QUEUE}: the defaults without queue-aware retention)",
+        "",
+    ]
     peers = [m for m in managers if not m.startswith("pagedkv") and m != "belady"]
-    head = [*([BASE] if BASE in managers else []), *peers]
-    extra = [f"/{p}" for p in peers] + [f"Δhit vs {p}" for p in peers]
-    lines += [f"| workload | pages | {' | '.join(head + extra)} |", "|---" * (len(head) + len(extra) + 2) + "|"]
+    ours = [m for m in (BASE, NO_QUEUE) if m in managers]
+    extra = [f"{m.removeprefix('pagedkv-')}/{p}" for m in ours for p in peers] + [f"Δhit vs {p}" for p in peers]
+    lines += [
+        f"| workload | pages | {' | '.join(ours + peers + extra)} |",
+        "|---" * (len(ours + peers + extra) + 2) + "|",
+    ]
     for (w, pages), row in sorted(table.items()):
-        us = [f"{row[m]['bookkeeping_us']:.2f}" if m in row else "-" for m in head]
-        both = [p if p in row and BASE in row else None for p in peers]
-        ratios = [f"{row[BASE]['bookkeeping_us'] / row[p]['bookkeeping_us']:.2f}" if p else "-" for p in both]
-        deltas = [f"{100 * (row[BASE]['hit_rate'] - row[p]['hit_rate']):+.2f}" if p else "-" for p in both]
+        us = [f"{row[m]['bookkeeping_us']:.2f}" if m in row else "-" for m in ours + peers]
+        ratios = [f"{row[m]['bookkeeping_us'] / row[p]['bookkeeping_us']:.2f}" if m in row and p in row else "-"
+                  for m in ours for p in peers]  # fmt: skip
+        deltas = [f"{100 * (row[BASE]['hit_rate'] - row[p]['hit_rate']):+.2f}" if p in row and BASE in row else "-"
+                  for p in peers]  # fmt: skip
         lines.append(f"| {w} | {pages} | {' | '.join(us + ratios + deltas)} |")
     if result.get("decode"):
         decode = result["decode"]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.bench import timing
-from pagedkv.bench.compare.pagedkv_adapter import BeladyAdapter, PagedKVAdapter, compare_params
+from pagedkv.bench.compare.pagedkv_adapter import BeladyAdapter, PagedKVAdapter, PagedKVNoQueueAdapter, compare_params
 from pagedkv.bench.compare.peer_max import MaxWorker
 from pagedkv.bench.compare.peers import PeerUnavailable, load_peer
 from pagedkv.bench.compare.sim import CacheAdapter, SimConfig, SimResult, simulate
@@ -36,11 +36,13 @@ from pagedkv.validation import check_int
 
 __all__ = [
     "DEFAULT_MANAGER",
+    "NO_QUEUE",
     "POLICIES",
     "add_arguments",
     "command",
     "decode_costs",
     "hash_ns_per_token",
+    "pagedkv_adapter",
     "run_compare",
 ]
 
@@ -50,15 +52,23 @@ DEFAULT_MANAGER = "pagedkv-lru"  # the row that runs KVCacheParams' defaults (th
 POLICIES: dict[str, dict[str, Any]] = {
     "pagedkv-lru": {},  # the defaults: LRU, pages hittable from the step that schedules them (commit_on_alloc)
     "pagedkv-lru-step": {"commit_on_alloc": False},  # pages hittable only once their step ran
+    "pagedkv-lru-noqueue": {},  # the defaults under a scheduler that never calls `expect` (NO_QUEUE)
     "pagedkv-slru": {"eviction_policy": "slru", **ON_ALLOC},
     "pagedkv-lfu": {"eviction_policy": "lfu", **ON_ALLOC},
     "pagedkv-arc": {"eviction_policy": "arc", **ON_ALLOC},
     "pagedkv-lru-leaves": {"evict_leaves_first": True, **ON_ALLOC},
     "pagedkv-arc-partial": {"eviction_policy": "arc", "enable_partial_page_reuse": True, **ON_ALLOC},
 }
+NO_QUEUE = frozenset({"pagedkv-lru-noqueue"})  # configurations whose driver does not tell the manager its queue
 FRACTIONS = (0.1, 0.2, 0.4, 1.0)
 
 Progress = Callable[[int, int, str], None]  # (runs done, runs planned, what just ran)
+
+
+def pagedkv_adapter(name: str, pages: int, page_size: int = 16) -> PagedKVAdapter:
+    """The adapter of pagedkv configuration `name` (`POLICIES`; without `expect` calls for `NO_QUEUE`)."""
+    cls = PagedKVNoQueueAdapter if name in NO_QUEUE else PagedKVAdapter
+    return cls(name, compare_params(page_size, **POLICIES[name]), pages)
 
 
 def _replay(adapter: CacheAdapter, trace: Sequence[TraceRequest], config: SimConfig) -> SimResult:
@@ -119,8 +129,7 @@ def run_compare(
             best: dict[str, SimResult] = {}
             for _ in range(repeats):
                 for name in policies:
-                    adapter = PagedKVAdapter(name, compare_params(page_size, **POLICIES[name]), pages)
-                    _keep_best(best, _replay(adapter, trace, config))
+                    _keep_best(best, _replay(pagedkv_adapter(name, pages, page_size), trace, config))
                 for peer in peers:
                     if peer in skipped:
                         continue
@@ -197,8 +206,7 @@ def decode_costs(peers: Sequence[str], skipped: dict[str, str], page_size: int, 
         try:
             for _ in range(repeats):
                 if name == DEFAULT_MANAGER:
-                    adapter = PagedKVAdapter(name, compare_params(page_size, **POLICIES[name]), pages)
-                    res = _replay(adapter, trace, timed)
+                    res = _replay(pagedkv_adapter(name, pages, page_size), trace, timed)
                 else:
                     res = _replay_peer(name, pages, page_size, timed, trace, max_worker)
                 best = min(best, res.decode_us)
