@@ -17,6 +17,10 @@ from pagedkv.core.eviction import LRU, PROBATION
 PS = 4
 
 
+def order_is_lazy(bm: BlockManager) -> bool:
+    return bm.pool._order is None
+
+
 def check_wants(bm: BlockManager) -> None:
     bm.check_integrity()
     want = collections.Counter()
@@ -28,6 +32,10 @@ def check_wants(bm: BlockManager) -> None:
         ts = list(ts) if isinstance(ts, collections.deque) else [ts]  # (a key wanted once holds its ticket)
         assert list(ts) == sorted(ts), "tickets not sorted"
         for t in ts:
+            got[(k, t)] += 1
+    for t, keys in bm.pool._wants.pending.items():  # (deferred until the next eviction reads them)
+        assert order_is_lazy(bm), "a keyed order defers nothing"
+        for k in keys:
             got[(k, t)] += 1
     assert want == got
     order = bm.pool._order
@@ -172,5 +180,6 @@ def test_expect_of_a_moved_on_queue_wants_what_a_full_pass_wants(seed):
         entries = [{rid: (keys, t) for rid, (keys, t, _) in bm.wants.entries.items()} for bm in twins]
         assert entries[0] == entries[1]
         assert dict(twins[0].pool._wanted) == dict(twins[1].pool._wanted)
+        assert twins[0].pool._wants.pending == twins[1].pool._wants.pending
         for bm in twins:
             check_wants(bm)

@@ -78,9 +78,12 @@ def compare_lines(result: dict[str, Any]) -> list[str]:
     plain = {p: [row[NO_QUEUE]["bookkeeping_us"] / row[p]["bookkeeping_us"] for row in cells.values()
                  if NO_QUEUE in row and p in row and row[p]["bookkeeping_us"] > 0] for p in ratios}  # fmt: skip
     spans = [f"{min(v):.2f} to {max(v):.2f} of {PEERS[p]}'s" for p, v in plain.items() if v]
+    gaps = [abs(row[NO_QUEUE]["hit_rate"] - row["vllm"]["hit_rate"]) for row in cells.values()
+            if NO_QUEUE in row and "vllm" in row]  # fmt: skip
+    close = f", hit rates within {100 * max(gaps):.2f} points of {PEERS['vllm']}'s" if gaps else ""
     if spans:
-        lines.append(f"- The same manager under a scheduler that never tells it the queue (`{NO_QUEUE}`, the hit "
-                     f"rates of plain LRU): {' and '.join(spans)}.")  # fmt: skip
+        lines.append(f"- The same manager under a scheduler that never tells it the queue (`{NO_QUEUE}`: no "
+                     f"queue-aware retention{close}): {' and '.join(spans)}.")  # fmt: skip
     return lines
 
 

@@ -215,8 +215,9 @@ class BlockPool:
         the pages cached under `keys` (in every group: a hybrid model's groups share the prefix keys); `delta`
         -1 withdraws that want. Free cached pages no waiting request wants are evicted first (in the policy's
         order), then wanted ones, those wanted latest first (Belady's rule over the known queue); retention
-        priorities still come first. Costs O(keys), plus the pages already set aside (`WantedPages`)."""
-        self._wants.apply(self._wants.update(keys, ticket, delta), self._order, self._rank)
+        priorities still come first. Costs O(keys), plus the pages already set aside (`WantedPages`); under the list
+        policies the want waits for the next eviction, and one withdrawn before it costs O(1)."""
+        self._wants.want(keys, ticket, delta, self._order, self._rank)
 
     def _rank(self, page: int) -> float:
         return self._wants.rank(self._hash[page])
@@ -225,13 +226,14 @@ class BlockPool:
         """Whether `allocate(n)` can take its pages without evicting a free cached page some waiting request
         wants (`want`). No side effects; wanted pages are counted only when fresh ones fall short."""
         free = self.num_free - self.num_protected
-        if free < n or len(self._fresh) >= n or not self._wanted:
+        if free < n or len(self._fresh) >= n or not self._wants:
             return free >= n
         return self._wants.count_free(free - n) <= free - n
 
     @property
     def num_wanted(self) -> int:
         """Distinct hashes waiting requests want kept (cached or not)."""
+        self._wants.flush()
         return len(self._wanted)
 
     def forget(self, page: int) -> None:
@@ -444,6 +446,7 @@ class BlockPool:
     def keyed_order(self) -> HeapOrder:
         """The keyed eviction order, built on first use from the lists' current order."""
         if self._order is None:
+            self._wants.flush()  # (a keyed order applies every want at once)
             self._wants.restore_all(self._unpinned_list)  # (the heap ranks wanted pages from now on)
             order = HeapOrder(self.num_blocks, self._lists, self._reused, self._stamp, self.eviction_policy,
                               self.leaves_first)  # fmt: skip
@@ -530,7 +533,8 @@ class BlockPool:
         listed = [*self.list_pages(PROBATION), *self.list_pages(LRU)]
         if self._order is not None or not (self._wants or self._lists.count[WANTED]):
             return [*reversed(self._fresh), *listed, *self.list_pages(PROTECTED)]
-        unwanted, wanted = [p for p in listed if self._hash[p] not in self._wanted], self._wants.ordered(listed)
+        wanted = self._wants.ordered(listed)  # (first: it applies the deferred wants)
+        unwanted = [p for p in listed if self._hash[p] not in self._wanted]
         return [*reversed(self._fresh), *wanted[0], *unwanted, *wanted[1], *self.list_pages(PROTECTED)]
 
     def list_pages(self, which: int) -> Iterator[int]:

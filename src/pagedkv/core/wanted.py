@@ -13,6 +13,11 @@ want that changes re-ranks only pages already set aside; one that nobody wants a
 and is evicted before every listed page (older than all of them, it would have gone already). Under a
 keyed `HeapOrder` (lfu, leaves first, priorities) the pool puts the rank into every heap key instead
 (`rank`), and no page is set aside.
+
+Under the list policies a want is also *deferred* (`want`): it waits, by ticket, until something reads the wants
+(the next eviction, `count_free`, `ordered`); one withdrawn before that costs nothing. In a pool that seldom
+evicts, the requests that pass through the queue never touch the tickets; where it evicts every step, each want
+is applied once, at the next eviction, in ticket order, with the same tickets, ranks and victims as at once.
 """
 
 from __future__ import annotations
@@ -46,10 +51,39 @@ class WantedPages:
         self.sequence = array("q", [0]) * lists.n  # when each set-aside page was set aside
         self.next_sequence = 0
         self.top = float("-inf")  # no want was ever added with a later ticket (a bound: withdrawals keep it)
+        self.pending: dict[float, list[BlockHash]] = {}  # deferred wants by ticket (`want`, `flush`)
         self.released = False  # a set-aside page may have lost its last want since the last check (`victim`)
 
     def __bool__(self) -> bool:
-        return bool(self.tickets)
+        return bool(self.tickets or self.pending)
+
+    def want(self, keys: Iterable[BlockHash], ticket: float, delta: int, order: HeapOrder | None,
+             rank: Callable[[int], float]) -> None:  # fmt: skip
+        """`BlockPool.want`: add (`delta` 1) or withdraw (-1) `ticket`'s want of `keys`. Under the list policies
+        (`order` None) an add waits in `pending` until `flush`, and withdrawing it (the same keys) drops it;
+        anything else is applied at once (`update`, `apply`)."""
+        keys = keys if type(keys) is list else list(keys)
+        if order is None:
+            pending = self.pending
+            if delta > 0 and ticket not in pending:
+                pending[ticket] = keys
+                return
+            if delta < 0:
+                waiting = pending.get(ticket)
+                if waiting is not None and (waiting is keys or waiting == keys):
+                    del pending[ticket]
+                    return
+            self.flush()
+        self.apply(self.update(keys, ticket, delta), order, rank)
+
+    def flush(self) -> None:
+        """Apply the deferred wants, in ticket order (before anything reads the tickets)."""
+        if self.pending:
+            pending, self.pending = self.pending, {}
+            for ticket in sorted(pending):
+                changed = self.update(pending[ticket], ticket, 1)
+                if changed and self.lists.count[WANTED]:
+                    self.reranked(changed)
 
     def update(self, keys: Iterable[BlockHash], ticket: float, delta: int) -> list[BlockHash]:
         """Add (`delta` 1) or withdraw (-1) `ticket`'s want of each key; returns the keys whose first
@@ -150,6 +184,7 @@ class WantedPages:
 
     def count_free(self, limit: int) -> int:
         """Wanted free cached pages over every group, counted until the count passes `limit`."""
+        self.flush()
         where, count = self.lists.where, 0
         for page in (cache.get(key) for key in self.tickets for cache in self.caches):
             count += page is not None and where[page] in (LRU, PROBATION, WANTED)
@@ -171,6 +206,7 @@ class WantedPages:
         """The next page to evict by list order (`arc`'s split, else probation first), unlinked by the caller,
         setting aside each wanted page it passes: set-aside pages nobody wants any more go first, wanted ones
         last (`take`'s order one page at a time, with ARC; the caller makes sure a free cached page exists)."""
+        self.flush()
         lists, count, tickets, hashes = self.lists, self.lists.count, self.tickets, self.hashes
         if self.released and (page := self.victim(unwanted_only=True)) >= 0:
             return page
@@ -220,6 +256,7 @@ class WantedPages:
         """Unlink and return `n` free cached pages in the list policies' eviction order (no ARC): set-aside pages
         nobody wants any more, then the heads of probation and of the LRU list, setting aside each wanted page
         they pass, then set-aside wanted pages. The caller makes sure there are `n` (the pool's free count)."""
+        self.flush()
         lists = self.lists
         pages: list[int] = []
         if self.released:
@@ -285,6 +322,7 @@ class WantedPages:
         """(set-aside pages nobody wants, then the wanted free pages) in eviction order. Wanted pages still
         `in_lists` (in list order) rank after the set-aside ones of their ticket: eviction sets them aside
         later."""
+        self.flush()
         hashes, seq = self.hashes, self.sequence
         aside = [((self.rank(hashes[p]), seq[p]), p) for p in self.lists.pages(WANTED)]
         later = (p for p in in_lists if hashes[p] in self.tickets)
