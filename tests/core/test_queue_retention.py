@@ -116,7 +116,30 @@ def test_expect_ignores_running_and_resumed_requests_and_caching_off() -> None:
     assert off.expect([ctx("x", prompt(100))]) == 0
     with pytest.raises(TypeError, match="contexts holds list, expected TextContext"):
         bm.expect([[1, 2, 3]])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="contexts holds str, expected TextContext"):  # (a one-pass iterable too)
+        bm.expect(c for c in [ctx("y", prompt(300)), "z"])  # type: ignore[misc]
+    assert bm.pool.num_wanted == 0  # (nothing of the refused call stays)
     bm.release("r")
+    bm.check_integrity()
+
+
+def test_a_swapped_request_recomputed_where_it_stands_is_wanted_from_then_on() -> None:
+    """A swapped-out request waits without a want (it resumes where it stopped); reset in place for recomputation,
+    the next `expect` wants its prefix, even though the queue only grew behind it: a stranger then evicts the
+    unwanted pages, not its three."""
+    bm = BlockManager(8, PS, enable_prefix_caching=True)
+    p = ctx("p", list(range(100, 100 + 3 * PS + 1)))
+    serve(bm, p)  # its 3 full pages cached; it keeps its progress (swapped out)
+    serve(bm, ctx("q", list(range(500, 500 + 3 * PS + 1))))  # a newer prompt nobody waits for
+    a = ctx("a", list(range(200, 200 + 3 * PS + 1)))
+    assert bm.expect([p, a]) == 1  # p is started: no want
+    p.reset()
+    assert bm.expect([p, a, ctx("n", list(range(300, 300 + 3 * PS + 1)))]) == 2  # p and the newcomer
+    bm.claim("x")
+    bm.alloc(ctx("x", list(range(900, 900 + 3 * PS + 1))))  # 4 pages: 2 fresh, then 2 of q's (LRU would take p's)
+    assert cached(bm, list(range(100, 100 + 3 * PS + 1))) == 3
+    assert cached(bm, list(range(500, 500 + 3 * PS + 1))) == 1  # (q's tail pages went: freed tail first)
+    bm.release("x")
     bm.check_integrity()
 
 

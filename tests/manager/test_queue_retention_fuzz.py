@@ -126,7 +126,8 @@ def test_expect_of_a_moved_on_queue_wants_what_a_full_pass_wants(seed):
     """`expect` told the last queue less its admitted heads, plus newcomers, looks only at the newcomers; twin
     managers, one made to look at every context each call, end every step with the same tickets, the same wants
     and the same evictions, through admissions, a window that grows and shrinks, preemptions put back at the
-    front, requests leaving from the middle and weights version changes."""
+    front, swapped-out requests queued at the back (started: no want) and recomputed where they stand (a want
+    from then on), requests leaving from the middle and weights version changes."""
     rng = random.Random(seed)
     twins = [BlockManager(20, PS, enable_prefix_caching=True) for _ in range(2)]
     bases = [np.arange(b, b + 40) for b in (100, 200, 300)]
@@ -140,10 +141,12 @@ def test_expect_of_a_moved_on_queue_wants_what_a_full_pass_wants(seed):
             for w in waiting:
                 w.append(TextContext(f"r{nid}", toks))
             nid += 1
-        elif op < 0.55 and waiting[0]:  # admit the head
+        elif op < 0.55 and waiting[0]:  # admit the head (recomputed first if it was swapped out)
             outcomes = []
             for bm, w, r in zip(twins, waiting, running, strict=True):
                 c = w[0]
+                if c.tokens.processed_length:
+                    c.reset()
                 bm.claim(c.request_id)
                 try:
                     bm.alloc(c)
@@ -154,14 +157,16 @@ def test_expect_of_a_moved_on_queue_wants_what_a_full_pass_wants(seed):
                 outcomes.append(bm.get_req_blocks(c.request_id))
                 r[w.pop(0).request_id] = c
             assert outcomes[0] == outcomes[1]
-        elif op < 0.7 and running[0]:  # finish one, or preempt it back to the queue's front
+        elif op < 0.7 and running[0]:  # finish one, preempt it back to the queue's front, or swap it out to the back
             rid = rng.choice(sorted(running[0]))
-            back = rng.random() < 0.4
+            back, swapped = rng.random() < 0.3, rng.random() < 0.3
             for bm, w, r in zip(twins, waiting, running, strict=True):
                 c = r.pop(rid)
                 c.update(7)
                 bm.step(c)
                 bm.release(rid)
+                if swapped and not back:
+                    w.append(c)  # (its processed tokens kept: started, so no want while it waits)
                 if back:
                     c.reset()
                     w.insert(0, c)
@@ -169,7 +174,11 @@ def test_expect_of_a_moved_on_queue_wants_what_a_full_pass_wants(seed):
             i = rng.randrange(1, len(waiting[0]))
             for bm, w in zip(twins, waiting, strict=True):
                 bm.unexpect(w.pop(i).request_id)
-        elif op < 0.78:
+        elif op < 0.78 and any(c.tokens.processed_length for c in waiting[0]):  # recomputed where it stands
+            i = next(i for i, c in enumerate(waiting[0]) if c.tokens.processed_length)
+            for w in waiting:
+                w[i].reset()
+        elif op < 0.81:
             version = rng.choice([None, "v2"])
             for bm in twins:
                 bm.hasher.set_version(version)

@@ -224,7 +224,8 @@ class BlockPool:
 
     def can_allocate_unwanted(self, n: int) -> bool:
         """Whether `allocate(n)` can take its pages without evicting a free cached page some waiting request
-        wants (`want`). No side effects; wanted pages are counted only when fresh ones fall short."""
+        wants (`want`). Changes nothing observable (it may apply deferred wants); wanted pages are counted only
+        when fresh ones fall short."""
         free = self.num_free - self.num_protected
         if free < n or len(self._fresh) >= n or not self._wants:
             return free >= n

@@ -36,6 +36,7 @@ class QueueWants:
         self._last: tuple[list[TextContext], str | None] | None = None  # the last call's queue and weights version
         self._keyed: object = object()  # the weights version every entry was last checked under
         self._gone: list[RequestID] = []  # requests `unexpect`ed since the last call
+        self._started: dict[RequestID, TextContext] = {}  # contexts the last queues skipped as started (no want)
 
     def __bool__(self) -> bool:
         return bool(self.entries)
@@ -47,21 +48,24 @@ class QueueWants:
         version, changes nothing and costs one comparison of the same objects (the scheduler tells it every step);
         the last queue less its admitted heads, newcomers behind, costs C-level comparisons and the newcomers' wants."""
         queue = (list(contexts), self.hasher.version)
-        if queue == self._last and not self._gone:  # (the same context objects: checked already)
-            return 0
         last, gone = self._last, self._gone
-        start = None  # (the last queue, less admitted heads, then newcomers from `start` on: only those are new)
-        if last is not None and queue[1] == last[1] == self._keyed:
-            start = self._moved_on(last[0], queue[0], gone)
-        if not set(map(type, queue[0][start or 0 :])) <= {TextContext}:
-            bad = next(c for c in contexts if type(c) is not TextContext)
+        still = all(map(started, self._started.values()))  # (each context skipped as started still is)
+        if queue == last and not gone and still:  # (the same context objects: checked already)
+            return 0
+        moved = None  # (the last queue, less its first k contexts, then newcomers from m on: only those are new)
+        if last is not None and queue[1] == last[1] == self._keyed and still:
+            moved = self._moved_on(last[0], queue[0], gone)
+        if not set(map(type, queue[0][moved[1] if moved else 0 :])) <= {TextContext}:
+            bad = next(c for c in queue[0] if type(c) is not TextContext)
             raise TypeError(f"contexts holds {type(bad).__name__}, expected TextContext")
         self._gone = []
-        if start is not None:
+        if moved is not None and last is not None:
+            for ctx in last[0][: moved[0]]:  # (out of the queue: admitted, resumed or gone)
+                self._started.pop(ctx.request_id, None)
             self._last = queue
-            return self._want_each(queue[0], start, started)
+            return self._want_each(queue[0], moved[1], started)
         rekey = queue[1] != self._keyed  # (roots change with the weights version only)
-        self._last, self._keyed = queue, queue[1]
+        self._last, self._keyed, self._started = queue, queue[1], {}
         entries = self.entries
         if rekey:
             for ctx in queue[0]:
@@ -73,11 +77,11 @@ class QueueWants:
         return self._want_each(queue[0], 0, started)
 
     @staticmethod
-    def _moved_on(old: list[TextContext], new: list[TextContext], gone: list[RequestID]) -> int | None:
-        """Where `new` stops repeating `old`: `old` less its first k contexts is a prefix of `new` (or `new` is a
-        prefix of it), and every request unexpected since lies in those k; None when the queue changed otherwise."""
+    def _moved_on(old: list[TextContext], new: list[TextContext], gone: list[RequestID]) -> tuple[int, int] | None:
+        """(k, m) when `old` less its first k contexts starts `new` with its first m (or `new` is a prefix of it), and
+        every request unexpected since lies in those k; None when the queue changed otherwise."""
         if not new:
-            return 0
+            return (len(old), 0) if {c.request_id for c in old}.issuperset(gone) else None
         first = new[0]
         k = next((i for i, ctx in enumerate(old) if ctx is first), -1)
         if k < 0:
@@ -87,7 +91,7 @@ class QueueWants:
             return None
         if gone and not {c.request_id for c in old[:k]}.issuperset(gone):
             return None
-        return m
+        return k, m
 
     def _want_each(self, contexts: list[TextContext], start: int, started: Callable[[TextContext], bool]) -> int:
         """Want each of ``contexts[start:]`` that has no want yet and is not `started`, ticketed between the known
@@ -109,9 +113,13 @@ class QueueWants:
         for i in range(n):
             ctx = contexts[start + i]
             entry = entries.get(ctx.request_id)
-            if entry is not None or started(ctx):
-                before = entry[1] if entry is not None else before
+            if entry is not None:
+                before = entry[1]
                 continue
+            if started(ctx):  # (remembered: should it stop being started in place, the next call walks every context)
+                self._started[ctx.request_id] = ctx
+                continue
+            self._started.pop(ctx.request_id, None)
             nxt = after[i]
             if nxt is None:  # behind every known one: the next ticket
                 self.ticket = max(self.ticket, before or 0.0) + 1
