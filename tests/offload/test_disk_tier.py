@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 import time
@@ -119,4 +120,30 @@ def test_concurrent_writers_keep_the_cap_exactly(tmp_path: Path, capacity: int) 
     stats = tier.stats.snapshot()
     assert (stats["pages_stored"], stats["evictions"]) == (400, 400 - capacity)
     assert tier.num_used_pages == capacity == len(list(tmp_path.rglob("*.page")))
+    tier.shutdown()
+
+
+def test_a_victim_that_cannot_be_deleted_is_counted_and_writing_goes_on(tmp_path: Path, monkeypatch: Any) -> None:
+    """Deleting an evicted page fails (a read-only bucket, say): each failure is counted as an error and logged, the
+    page is unindexed all the same, and every writer finishes its pages: each gets its callback, none stays marked
+    as being written, the index keeps the cap."""
+    real = os.unlink
+
+    def refuse(path: Any, *args: Any, **kwargs: Any) -> None:
+        if str(path).endswith(".page"):
+            raise PermissionError(13, "Permission denied", str(path))
+        real(path, *args, **kwargs)
+
+    tier = DiskTier(tmp_path, 64, 2 * (HEADER_SIZE + 64), b"d" * 16, "sha256", threads=4)
+    tier._lock = _YieldingLock()  # type: ignore[assignment]
+    monkeypatch.setattr(os, "unlink", refuse)
+    keys = [bytes([i, 7]) + bytes(30) for i in range(60)]
+    done: list[int] = []
+    tier.store(keys, [memoryview(bytes([i]) * 64) for i in range(60)], done.append)
+    tier.wait()
+    monkeypatch.undo()
+    stats = tier.stats.snapshot()
+    assert sorted(done) == list(range(60)) and not tier._writing
+    assert (stats["pages_stored"], stats["evictions"], stats["errors"]) == (60, 58, 58)
+    assert tier.num_used_pages == 2 and len(list(tmp_path.rglob("*.page"))) == 60  # (the refused files stay)
     tier.shutdown()

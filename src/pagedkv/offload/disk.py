@@ -352,9 +352,17 @@ class DiskTier(LowerTier):
         self._unlink(keys)
 
     def _unlink(self, keys: list[bytes]) -> None:
-        """Remove the files of `keys` (no longer indexed) and tell the listeners."""
+        """Remove the files of `keys` (no longer indexed) and tell the listeners. A file that cannot be removed
+        (a read-only bucket, a directory in its place) is counted and logged, and the rest go on: writers and
+        their callbacks never stop on it, and nothing serves that page again (it is unindexed)."""
         for key in keys:
-            self.path(key).unlink(missing_ok=True)
+            try:
+                os.unlink(self._file(key))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self.stats.add(errors=1)
+                self._log.error("delete", f"disk tier: deleting {self._file(key)} failed ({exc}); it stays on disk")
         if self.emit is not None and keys:
             self.emit(BlockRemoved(list(keys), self.medium))
 
