@@ -81,9 +81,7 @@ class WantedPages:
         if self.pending:
             pending, self.pending = self.pending, {}
             for ticket in sorted(pending):
-                changed = self.update(pending[ticket], ticket, 1)
-                if changed and self.lists.count[WANTED]:
-                    self.reranked(changed)
+                self.reranked(self.update(pending[ticket], ticket, 1))
 
     def update(self, keys: Iterable[BlockHash], ticket: float, delta: int) -> list[BlockHash]:
         """Add (`delta` 1) or withdraw (-1) `ticket`'s want of each key; returns the keys whose first
@@ -167,8 +165,7 @@ class WantedPages:
         None: only pages set aside); under the pool's keyed `order`, a new heap entry for each free page of
         theirs in every group, and on the first want, `rank` (page -> rank) for every evictable page."""
         if order is None:
-            if changed and self.lists.count[WANTED]:
-                self.reranked(changed)
+            self.reranked(changed)
             return
         lists = self.lists
         if order.rank is None:  # (every evictable page gets its rank: unwanted ones go first from now on)
@@ -243,7 +240,10 @@ class WantedPages:
 
     def reranked(self, keys: Iterable[BlockHash]) -> None:
         """The first tickets of `keys` changed: re-rank their set-aside pages in every group. One nobody wants
-        any more ranks `UNWANTED`: it goes before every listed page (it would have gone already)."""
+        any more ranks `UNWANTED`: it goes before every listed page (it would have gone already). Nothing to do
+        while no page is set aside."""
+        if not self.lists.count[WANTED]:
+            return
         where = self.lists.where
         for key in keys:
             for cache in self.caches:

@@ -29,6 +29,7 @@ from pagedkv.bench import timing
 from pagedkv.bench.compare.pagedkv_adapter import BeladyAdapter, PagedKVAdapter, PagedKVNoQueueAdapter, compare_params
 from pagedkv.bench.compare.peer_max import MaxWorker
 from pagedkv.bench.compare.peers import PeerUnavailable, load_peer
+from pagedkv.bench.compare.report import NO_QUEUE
 from pagedkv.bench.compare.sim import CacheAdapter, SimConfig, SimResult, simulate
 from pagedkv.bench.timing import gc_frozen
 from pagedkv.bench.workloads import WORKLOADS, TraceRequest, decode_trace, ideal_hit_rates, make_trace, unique_pages
@@ -36,7 +37,6 @@ from pagedkv.validation import check_int
 
 __all__ = [
     "DEFAULT_MANAGER",
-    "NO_QUEUE",
     "POLICIES",
     "add_arguments",
     "command",
@@ -52,14 +52,13 @@ DEFAULT_MANAGER = "pagedkv-lru"  # the row that runs KVCacheParams' defaults (th
 POLICIES: dict[str, dict[str, Any]] = {
     "pagedkv-lru": {},  # the defaults: LRU, pages hittable from the step that schedules them (commit_on_alloc)
     "pagedkv-lru-step": {"commit_on_alloc": False},  # pages hittable only once their step ran
-    "pagedkv-lru-noqueue": {},  # the defaults under a scheduler that never calls `expect` (NO_QUEUE)
+    NO_QUEUE: {},  # the defaults under a scheduler that never calls `expect` (`PagedKVNoQueueAdapter`)
     "pagedkv-slru": {"eviction_policy": "slru", **ON_ALLOC},
     "pagedkv-lfu": {"eviction_policy": "lfu", **ON_ALLOC},
     "pagedkv-arc": {"eviction_policy": "arc", **ON_ALLOC},
     "pagedkv-lru-leaves": {"evict_leaves_first": True, **ON_ALLOC},
     "pagedkv-arc-partial": {"eviction_policy": "arc", "enable_partial_page_reuse": True, **ON_ALLOC},
 }
-NO_QUEUE = frozenset({"pagedkv-lru-noqueue"})  # configurations whose driver does not tell the manager its queue
 FRACTIONS = (0.1, 0.2, 0.4, 1.0)
 
 Progress = Callable[[int, int, str], None]  # (runs done, runs planned, what just ran)
@@ -67,7 +66,7 @@ Progress = Callable[[int, int, str], None]  # (runs done, runs planned, what jus
 
 def pagedkv_adapter(name: str, pages: int, page_size: int = 16) -> PagedKVAdapter:
     """The adapter of pagedkv configuration `name` (`POLICIES`; without `expect` calls for `NO_QUEUE`)."""
-    cls = PagedKVNoQueueAdapter if name in NO_QUEUE else PagedKVAdapter
+    cls = PagedKVNoQueueAdapter if name == NO_QUEUE else PagedKVAdapter
     return cls(name, compare_params(page_size, **POLICIES[name]), pages)
 
 
