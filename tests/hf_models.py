@@ -33,12 +33,24 @@ ARCHS: dict[str, Any] = {
 }  # fmt: skip
 
 
-def build(arch: str, seed: int = 0, attn_implementation: str = "eager", dtype: torch.dtype = torch.float32) -> Any:
-    """A tiny fp32 model of `arch` (see ARCHS) with seeded random weights; GQA 4:2; eos disabled."""
+def config_for(arch: str, overrides: dict[str, Any] | None = None) -> Any:
+    """The config of `arch` `build` uses (`overrides`: more keywords)."""
     import transformers as tf
 
-    config_cls, model_cls, extra = ARCHS[arch](tf)
-    config = config_cls(**{**COMMON, **extra})
+    config_cls, _, extra = ARCHS[arch](tf)
+    return config_cls(**{**COMMON, **extra, **(overrides or {})})
+
+
+def build(
+    arch: str, seed: int = 0, attn_implementation: str = "eager", dtype: torch.dtype = torch.float32,
+    overrides: dict[str, Any] | None = None,
+) -> Any:  # fmt: skip
+    """A tiny fp32 model of `arch` (see ARCHS) with seeded random weights; GQA 4:2; eos disabled. `overrides`:
+    more config keywords."""
+    import transformers as tf
+
+    _, model_cls, _ = ARCHS[arch](tf)
+    config = config_for(arch, overrides)
     torch.manual_seed(seed)
     model = model_cls._from_config(copy.deepcopy(config), attn_implementation=attn_implementation, dtype=dtype)
     model.generation_config.eos_token_id = None

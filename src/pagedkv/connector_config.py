@@ -70,7 +70,10 @@ class KVConnectorConfig:
             Engines that should share pages must use the same value.
         disk_offload_dir: directory of the disk tier (created if missing).
         disk_offload_max_gb: size cap of the disk tier; least recently used pages
-            are deleted to stay under it.
+            are deleted to stay under it. The cap is the directory's: every process
+            writing it (with the same layout and key) keeps it together.
+        disk_timeout_s: a disk read (a batch of page files, or a lookup) that makes no
+            progress for this long is abandoned: what it did not read is a miss.
         redis_url: ``redis://[user:password@]host:port/db``, ``rediss://`` for TLS, or
             ``unix:///path/redis.sock``. ``redis+cluster://[user:password@]host:port``
             (``rediss+cluster://`` for TLS) uses a Redis Cluster: the URL names one
@@ -91,14 +94,16 @@ class KVConnectorConfig:
             engines of a deployment. Every page they write to disk or Redis is signed with
             HMAC-SHA256, and every page they read must carry a valid signature: whoever can write
             to the directory or the server but lacks the key cannot plant a page that is loaded.
-            Signed pages live in their own namespace (the key's presence is part of the layout
-            fingerprint), apart from unsigned ones. None: a checksum only (catches corruption,
-            not forgery).
+            Pages live in a namespace of their key (named by the key's public id,
+            `pagedkv.offload.format.key_id`), apart from unsigned pages and pages of other keys,
+            so an engine with another key never reads, refuses or overwrites them. None: a
+            checksum only (catches corruption, not forgery).
     """
 
     model_id: str = ""
     disk_offload_dir: str | None = None
     disk_offload_max_gb: float = 50.0
+    disk_timeout_s: float = 5.0
     redis_url: str | None = None
     redis_cluster_nodes: tuple[str, ...] = ()
     redis_username: str | None = None
@@ -123,6 +128,7 @@ class KVConnectorConfig:
         if self.disk_offload_dir == "":
             raise ValueError("disk_offload_dir='' must name a directory (or be None)")
         _check_positive("disk_offload_max_gb", self.disk_offload_max_gb)
+        _check_positive("disk_timeout_s", self.disk_timeout_s)
         _check_positive("redis_timeout_s", self.redis_timeout_s)
         _check_positive("redis_retry_s", self.redis_retry_s)
         if self.redis_ttl_s is not None:

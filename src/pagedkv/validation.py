@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 __all__ = [
-    "EVICTION_POLICIES", "INT32_MAX", "INT64_MAX", "NONFINITE_KV", "check_eviction", "check_int",
+    "EVICTION_POLICIES", "INT32_MAX", "INT64_MAX", "NONFINITE_KV", "as_token_array", "check_eviction", "check_int",
     "check_weights_version", "normalize_hash_seed", "validate_attention_kind", "validate_partial_page_reuse",
 ]  # fmt: skip
 
@@ -14,7 +16,54 @@ EVICTION_POLICIES = ("lru", "slru", "lfu", "arc")
 
 
 INT32_MAX = 2**31 - 1  # page ids, cache lengths and tokens are int32
+INT32_MIN = -(2**31)
 INT64_MAX = 2**63 - 1
+_BOOLS = (bool, np.bool_)
+_NO_BOOL = frozenset(_BOOLS).isdisjoint  # (one C-level pass over a list's element types)
+
+
+def _where(name: str) -> str:
+    return "" if name == "tokens" else f"{name}: "
+
+
+def as_token_array(tokens: Any, copy: bool = True, *, allow_empty: bool = False, name: str = "tokens") -> np.ndarray:
+    """`tokens` as an int32 array: the one check of every entry point that takes token ids.
+
+    Accepts a 1-D sequence or array of integers (Python ints, numpy integers, an integer array, an
+    object array of ints). TypeError unless every element is an integer: a float, a str, or a bool
+    anywhere (True is not token 1; a bool array too) names the first offender. ValueError unless 1-D,
+    non-empty (`allow_empty`: empty is fine) and inside int32. Messages call the argument `name`. Returns a
+    fresh array (`copy` False: `tokens` itself when it is a 1-D int32 array already). Changes nothing.
+    """
+    if type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1 and (tokens.size or allow_empty):
+        return tokens.copy() if copy else tokens  # (int32 already: nothing to check)
+    array = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+    if array.ndim == 0:
+        raise TypeError(f"{name} must be a 1-D sequence of token ids, got {type(tokens).__name__}")
+    if array.ndim != 1 or (array.size == 0 and not allow_empty):
+        raise ValueError(f"{name} must be a non-empty 1-D sequence, got shape {array.shape}")
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int32)  # (`allow_empty`: `[]` has no integer dtype to check)
+    if array.dtype == object:  # Python ints past int64, or an object array: element by element
+        values = array.tolist()
+        for i, t in enumerate(values):
+            if isinstance(t, _BOOLS) or not isinstance(t, int | np.integer):
+                raise TypeError(f"{name}[{i}]={t!r} is not a token id (an int; bools are refused)")
+        ints = [int(t) for t in values]
+        bad = next((t for t in ints if not INT32_MIN <= t <= INT32_MAX), None)
+        if bad is not None:
+            raise ValueError(f"{_where(name)}token {bad} is outside int32 [{INT32_MIN}, {INT32_MAX}]")
+        return np.array(ints, dtype=np.int32)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"{name} must be integers, got dtype {array.dtype}")
+    if array is not tokens and not hasattr(tokens, "__array__") and not _NO_BOOL(map(type, tokens)):
+        i, t = next((i, t) for i, t in enumerate(tokens) if isinstance(t, _BOOLS))  # numpy made a bool 0 or 1
+        raise TypeError(f"{name}[{i}]={t!r} is not a token id (an int; bools are refused)")
+    low, high = int(array.min()), int(array.max())
+    if low < INT32_MIN or high > INT32_MAX:
+        bad = low if low < INT32_MIN else high
+        raise ValueError(f"{_where(name)}token {bad} is outside int32 [{INT32_MIN}, {INT32_MAX}]")
+    return array.astype(np.int32)
 
 
 def check_int(name: str, value: Any, minimum: int, maximum: int = INT64_MAX) -> None:

@@ -54,8 +54,8 @@ def test_params_and_bytes_are_the_qwen35_shapes() -> None:
 def test_hits_on_a_hand_derived_trace_against_the_ceiling() -> None:
     """One request at a time (S = 1), pages and rows ample. A system prompt of 40 tokens (2 full pages + 8):
 
-    - r0 = SYS + 10 (50 tokens), 2 generated: no hit. Checkpoints at its prompt's end (50) and at release (51, the
-      state after its decode step). Its pages 0-2 are committed (51 computed tokens).
+    - r0 = SYS + 10 (50 tokens), 2 generated: no hit. Checkpoints before its prompt's last token (49: a chunk ends
+      there) and at release (51, the state after its decode step). Its pages 0-2 are committed (51 computed tokens).
     - r1 = SYS + 10 others: pages 0, 1 are cached but no state sits at 32: hit 0, and the chunk ends at the cut 32,
       where the state is saved. The ceiling hits 32.
     - r2 = SYS + 10 others: pages 0, 1 and r1's checkpoint at 32 (empty tail): hit 32 (ceiling 32).
@@ -72,7 +72,7 @@ def test_hits_on_a_hand_derived_trace_against_the_ceiling() -> None:
     assert res.first_admission_order == [0, 1, 2, 3] and res.first_prompt_tokens == 207
     assert res.first_hit_tokens == 83 and res.prefill_tokens_computed == 207 - 83
     states = hybrid.states
-    assert states.num_hits == 2 and hybrid.cut_chunks == 1
+    assert states.num_hits == 2 and hybrid.cut_chunks == 1 + 4  # r1's divergence cut, each prompt's end
     assert states.num_saved == 2 + 3 + 2 + 2  # r1 adds the cut
     assert len(states) == 9 and all(len(e.run) == 99 for e in states._entries.values())  # every save in a run
     assert hybrid.state_copies == 5 + 4 + 2 and hybrid.tail_copies == 1  # 5 saves, 4 releases, 2 restores; r3's tail

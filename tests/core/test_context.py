@@ -77,11 +77,32 @@ def test_max_length() -> None:
         ([1.5, 2.0], TypeError, "tokens must be integers"),
         ([1, 2**31], ValueError, "token 2147483648 is outside int32"),
         ([-(2**31) - 1], ValueError, "outside int32"),
+        ([5, True, 7], TypeError, r"tokens\[1\]=True is not a token id"),  # (numpy alone makes it token 1)
+        ([5, 6, np.False_], TypeError, r"tokens\[2\]=np.False_ is not a token id"),
+        ([True, False], TypeError, "tokens must be integers, got dtype bool"),
+        (np.array([5, True], dtype=object), TypeError, r"tokens\[1\]=True is not a token id"),
+        (np.array([5, 2.5], dtype=object), TypeError, r"tokens\[1\]=2.5 is not a token id"),
+        (np.array([5, 2**40], dtype=object), ValueError, "token 1099511627776 is outside int32"),
+        (np.array([5, "7"], dtype=object), TypeError, r"tokens\[1\]='7' is not a token id"),
     ],
 )
 def test_bad_tokens(tokens: list, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         TextContext("r", tokens)
+
+
+def test_object_arrays_of_ints_are_token_ids() -> None:
+    """An object array of Python or numpy ints (what pandas and JSON decoders hand over) is read as its
+    values: never a StopIteration from the int32 check."""
+    for tokens in (np.array([5, 6, 7], dtype=object), np.array([5, np.int64(6), 2**31 - 1], dtype=object)):
+        c = TextContext("r", tokens)
+        assert c.tokens.all.dtype == np.int32 and c.tokens.all.tolist() == [int(t) for t in tokens]
+
+
+def test_empty_salt_is_refused() -> None:
+    """None is "no salt"; every non-empty str is a tenant; "" is neither (it would share the unsalted chain)."""
+    with pytest.raises(ValueError, match="cache_salt='' is empty: give None for no salt"):
+        TextContext("r", [1, 2], cache_salt="")
 
 
 def test_bad_updates_change_nothing() -> None:

@@ -110,8 +110,22 @@ def test_bad_inputs() -> None:
         PrefixHasher("md5", 4)
     with pytest.raises(ValueError, match="outside int32"):
         hash_tokens([2**31, 1, 2], 1)
-    with pytest.raises(TypeError, match="1-D integer sequence"):
+    with pytest.raises(ValueError, match=r"tokens must be a non-empty 1-D sequence, got shape \(2, 2\)"):
         hash_tokens(np.zeros((2, 2), dtype=np.int64), 1)
+    with pytest.raises(TypeError, match=r"tokens\[1\]=True is not a token id"):
+        hash_tokens([5, True, 7, 8, 9], 2)  # (not the keys of [5, 1, 7, 8, 9])
+    assert hash_tokens([], 4) == [] and hash_tokens(np.array([5, 6, 7], dtype=object), 2) == hash_tokens([5, 6, 7], 2)
+
+
+def test_empty_salt_is_refused_not_the_unsalted_chain() -> None:
+    """The root is base for None and base XOR SHA256(salt) for a salt; "" is refused everywhere a salt enters
+    (it used to give the unsalted root: a tenant with "" shared every unsalted request's pages)."""
+    tokens = list(range(9))
+    for call in (lambda: hash_tokens(tokens, 4, cache_salt=""), lambda: root_digest(None, ""),
+                 lambda: PrefixHasher("sha256", 4).root("")):  # fmt: skip
+        with pytest.raises(ValueError, match="cache_salt='' is empty"):
+            call()
+    assert hash_tokens(tokens, 4, cache_salt="a") != hash_tokens(tokens, 4) == hash_tokens(tokens, 4, cache_salt=None)
 
 
 def test_memo_gives_the_same_chain_and_stays_bounded() -> None:

@@ -26,8 +26,8 @@ def coordinator(*, rows: int = 6, pages: int = 40, window: bool = False, caching
 
 
 def prefill(c: KVCacheCoordinator, rid: str, tokens: list[int], *, chunk: int | None = None, salt: str | None = None):
-    """Claim and run the prompt (in chunks of `chunk`, each ending at a checkpoint cut when one is due), then
-    sample one token; returns the context."""
+    """Claim and run the prompt (in chunks of `chunk`, each ending at a checkpoint cut when one is due: a
+    divergence point, the position before the prompt's last token), then sample one token; returns the context."""
     a = ctx(rid, tokens, cache_salt=salt)
     c.claim(rid)
     while True:
@@ -43,23 +43,23 @@ def prefill(c: KVCacheCoordinator, rid: str, tokens: list[int], *, chunk: int | 
             a.update(7)
         c.step(a)
         c.check_integrity()
-        if a.tokens.processed_length == len(a.tokens) - 1:
+        if a.tokens.generated_length:
             return a
 
 
 def test_a_prompt_end_checkpoint_serves_the_next_turn_mid_page() -> None:
     c = coordinator()
-    prefill(c, "a", SYSTEM)  # checkpoint at 10 = page 2, tail (1008, 1009)
+    prefill(c, "a", SYSTEM)  # checkpoint before its last token, at 9 = page 2, tail (1008,)
     assert c.take_state_copies() == ([StateCopy(0, 1)], [])  # live row 0 -> checkpoint row 1
     b = ctx("b", [*SYSTEM, 7, 50, 51])  # the next turn: a's prompt, its token, new text
     c.claim("b")
     c.alloc(b)
-    assert b.tokens.processed_length == 10 == b.cached_prefix_length
+    assert b.tokens.processed_length == 9 == b.cached_prefix_length
     assert c.get_req_blocks("b", 0)[:2] == c.get_req_blocks("a", 0)[:2]  # the full pages are shared
     own = c.get_req_blocks("b", 0)[2]
     assert own != c.get_req_blocks("a", 0)[2]  # page 2 is its own: the tail's 2 slots are copied in
     live = c.get_req_blocks("b", 1)[0]
-    assert c.take_state_copies() == ([StateCopy(1, live)], [PageCopy(c.get_req_blocks("a", 0)[2], own, 2)])
+    assert c.take_state_copies() == ([StateCopy(1, live)], [PageCopy(c.get_req_blocks("a", 0)[2], own, 1)])
     assert c.states is not None and c.states.num_hits == 1
     c.check_integrity()
 
@@ -92,7 +92,7 @@ def test_a_divergence_point_is_a_cut_and_then_a_hit() -> None:
     b = ctx("b", [*SYSTEM, 30, 31, 32])
     c.claim("b")
     c.alloc(b)
-    assert b.tokens.processed_length == 0  # pages 0, 1 cached, but a's checkpoints sit at 12 only
+    assert b.tokens.processed_length == 0  # pages 0, 1 cached, but a's checkpoint sits at 11 only
     assert c.checkpoint_cut("b") == 8
     c.release("b")
     b = prefill(c, "b", [*SYSTEM, 30, 31, 32])  # chunks end at the cut
@@ -100,21 +100,66 @@ def test_a_divergence_point_is_a_cut_and_then_a_hit() -> None:
     d = ctx("d", [*SYSTEM, 40, 41])
     c.claim("d")
     c.alloc(d)
-    assert d.tokens.processed_length == 8 and c.checkpoint_cut("d") is None
+    assert d.tokens.processed_length == 8 and c.checkpoint_cut("d") == 11  # (its own prompt end's cut)
+    c.check_integrity()
+
+
+def test_the_prompt_end_cut_comes_after_the_divergence_cut() -> None:
+    """A prompt's end checkpoint sits before its last token (a hit must leave that token to compute): the cut
+    there follows the divergence cut, and the same prompt sent again resumes there."""
+    c = coordinator()
+    prefill(c, "a", [*SYSTEM, 20, 21])  # its prompt end at 11
+    b = ctx("b", [*SYSTEM, 30, 31, 32])
+    c.claim("b")
+    c.alloc(b)
+    assert c.checkpoint_cut("b") == 8  # pages 0, 1 cached: their end first
+    b.tokens.chunk(8)
+    b.update(0)
+    c.step(b)
+    assert c.checkpoint_cut("b") == 12  # then before its last token
+    c.alloc(b)
+    b.tokens.chunk(4)
+    b.update(0)
+    c.step(b)
+    assert c.checkpoint_cut("b") is None and c.states is not None and len(c.states) == 3  # a's 11, b's 8 and 12
+    c.alloc(b)
+    b.update(7)  # its last token, sampled
+    c.step(b)
+    again = ctx("again", [*SYSTEM, 30, 31, 32])
+    c.claim("again")
+    c.alloc(again)
+    assert again.tokens.processed_length == 12 and again.tokens.active_length == 1
+    assert c.checkpoint_cut("again") is None  # (its hit reaches its last token: nothing more to save)
+    c.check_integrity()
+
+
+def test_a_driver_that_ignores_the_cut_gets_the_checkpoint_at_the_prompts_end() -> None:
+    c = coordinator()
+    a = ctx("a", list(range(300, 310)))
+    c.claim("a")
+    c.alloc(a)
+    assert c.checkpoint_cut("a") == 9
+    a.update(7)  # the whole prompt in one step
+    c.step(a)
+    assert c.checkpoint_cut("a") is None and c.states is not None and len(c.states) == 1
+    b = ctx("b", [*range(300, 310), 7, 5])
+    c.claim("b")
+    c.alloc(b)
+    assert b.tokens.processed_length == 10  # a's prompt end
     c.check_integrity()
 
 
 def test_the_longest_matching_tail_wins_and_the_last_token_is_never_a_hit() -> None:
-    base = list(range(1000, 1012))
+    base = list(range(1000, 1013))
     c = coordinator(rows=10)
-    prefill(c, "a", base[:9])  # checkpoint at 9 (page 2, tail of 1)
-    prefill(c, "b", base[:11])  # hits at 9, checkpoint at 11 (tail of 3)
+    prefill(c, "a", base[:10])  # checkpoint before its last token: at 9 (page 2, tail of 1)
+    prefill(c, "b", base[:12])  # hits at 9, checkpoint at 11 (tail of 3)
     c.take_state_copies()
-    d = ctx("d", [*base[:11], 99])
+    d = ctx("d", [*base[:12], 99])
     c.claim("d")
     c.alloc(d)
     assert d.tokens.processed_length == 11
-    e = ctx("e", base[:11])  # the same 11 tokens: the last must be computed, so 9 is the best hit
+    e = ctx("e", base[:11])  # 11 of b's tokens: the last must be computed, so 9 is the best hit
     c.claim("e")
     c.alloc(e)
     assert e.tokens.processed_length == 9
@@ -135,24 +180,25 @@ def test_salts_never_share_a_checkpoint() -> None:
     d = ctx("d", [*SYSTEM, 5], cache_salt="tenant-a")
     c.claim("d")
     c.alloc(d)
-    assert d.tokens.processed_length == 10
+    assert d.tokens.processed_length == 9
 
 
 def test_checkpoints_are_evicted_lru_with_their_tail_pages() -> None:
-    c = coordinator(rows=3)  # one live row at a time, two checkpoints
-    for i, rid in enumerate("abc"):
-        prefill(c, rid, [100 * (i + 1) + t for t in range(5)])  # checkpoint at 5: tail of 1 on page 1
+    c = coordinator(rows=3)  # three rows: a live one and checkpoints
+    for i, rid in enumerate("abc"):  # checkpoints at 4 (its prompt end: on a page boundary, no tail page) and at
+        prefill(c, rid, [100 * (i + 1) + t for t in range(5)])  # 5 (its release, in place: a tail of 1 on page 1)
         c.release(rid)
         c.take_state_copies()
         c.check_integrity()
-    assert c.states is not None and len(c.states) == 2 and c.states.rows.num_evictions >= 1
+    assert c.states is not None and len(c.states) == 3 and c.states.rows.num_evictions == 3
     keys = {e.key for e in c.states._entries.values()}
     first = ctx("x", [100, 101, 102, 103, 104])
     assert (
         checkpoint_key(c.hasher.extend(first.tokens.all, 0, 1, c.hasher.root())[0][0], first.tokens.all[4:5])
         not in keys
-    )  # the oldest went first
-    assert c.pool.num_used == 2  # the two survivors' tail pages; the evicted one's was released
+    )  # the oldest went first (the demoted prompt ends before it)
+    assert sorted(len(e.tail) for e in c.states._entries.values()) == [0, 1, 1]  # b's release, c's two
+    assert c.pool.num_used == 2  # the survivors' tail pages; the evicted ones' were released
     c.check_integrity()
 
 
@@ -174,15 +220,15 @@ def test_a_step_that_never_happened_saves_nothing_and_drops_its_restore() -> Non
 def test_a_hit_whose_row_is_short_adopts_it_and_a_request_with_no_row_changes_nothing() -> None:
     c = coordinator(rows=2)
     prefill(c, "a", SYSTEM)
-    c.take_state_copies()  # row 0: a's live state, row 1: its prompt-end checkpoint
+    c.take_state_copies()  # row 0: a's live state, row 1: its prompt-end checkpoint (at 9)
     b = ctx("b", [*SYSTEM, 1, 2])
     c.claim("b")
     c.alloc(b)  # holding row 1 would leave b no live row: b adopts it (the checkpoint ends, its state is b's)
-    assert b.tokens.processed_length == 10 and c.get_req_blocks("b", 1) == [1]
+    assert b.tokens.processed_length == 9 and c.get_req_blocks("b", 1) == [1]
     assert c.states is not None and len(c.states) == 0
     c.check_integrity()  # (the tail page stays held until its copy is taken)
     tail = c.get_req_blocks("a", 0)[2]
-    assert c.take_state_copies() == ([], [PageCopy(tail, c.get_req_blocks("b", 0)[2], 2)])  # no row copy
+    assert c.take_state_copies() == ([], [PageCopy(tail, c.get_req_blocks("b", 0)[2], 1)])  # no row copy
     d = ctx("d", [*SYSTEM, 3])
     c.claim("d")
     before = snapshot(c, d)
@@ -305,9 +351,9 @@ def test_a_preempted_prefill_resumes_from_its_own_checkpoint() -> None:
 
 def test_window_groups_resume_with_their_window_and_the_tail() -> None:
     c = coordinator(window=True)
-    prefill(c, "a", list(range(1, 16)))  # checkpoint at 15 (page 3, tail of 3)
+    prefill(c, "a", list(range(1, 17)))  # checkpoint before its last token: at 15 (page 3, tail of 3)
     c.take_state_copies()
-    b = ctx("b", [*range(1, 16), 7, 99])
+    b = ctx("b", [*range(1, 17), 7, 99])
     c.claim("b")
     c.alloc(b)
     assert b.tokens.processed_length == 15
@@ -319,17 +365,17 @@ def test_window_groups_resume_with_their_window_and_the_tail() -> None:
 
 
 def test_a_shared_checkpoint_outlives_newer_unread_ones() -> None:
-    """Two checkpoint rows. The checkpoint at a divergence point (8, shared by a and b) has a higher retention
-    priority: when c's prompt end needs a row, b's newer prompt-end checkpoint goes, not the older shared one
-    (plain LRU would take the shared one)."""
+    """Three rows. The checkpoint at a divergence point (8, shared by a and b) has a higher retention priority:
+    when c's live row and its prompt end need rows, b's demoted prompt-end checkpoint and its newer release
+    checkpoint go, not the older shared one (plain LRU would take the shared one)."""
     c = coordinator(rows=3)
-    prefill(c, "a", [*SYSTEM, 20, 21])  # prompt-end checkpoint at 12
-    c.release("a")  # (its state is at 12: the same checkpoint, refreshed)
-    prefill(c, "b", [*SYSTEM, 30, 31, 32])  # cut at 8 (shared), then its prompt end at 13: a's at 12 goes
-    c.release("b")
+    prefill(c, "a", [*SYSTEM, 20, 21])  # prompt-end checkpoint at 11
+    c.release("a")  # (in place: its state at 12)
+    prefill(c, "b", [*SYSTEM, 30, 31, 32])  # cut at 8 (shared), then its prompt end at 12: a's two go
+    c.release("b")  # (in place: its state at 13; its prompt end is demoted)
     c.take_state_copies()
-    assert c.states is not None and sorted(e.shared for e in c.states._entries.values()) == [False, True]
-    prefill(c, "c", list(range(500, 511)))  # its prompt end takes a row: b's (13) goes, the shared one stays
+    assert c.states is not None and sorted(e.shared for e in c.states._entries.values()) == [False, False, True]
+    prefill(c, "c", list(range(500, 511)))  # its live row and its prompt end take b's two, the shared one stays
     c.take_state_copies()
     assert [e.shared for e in c.states._entries.values()] == [True, False]
     d = ctx("d", [*SYSTEM, 40])
@@ -340,19 +386,19 @@ def test_a_shared_checkpoint_outlives_newer_unread_ones() -> None:
 
 
 def test_a_release_demotes_the_checkpoints_it_supersedes() -> None:
-    """Two checkpoint rows. a's prompt end (10) is superseded by its release (11): when e hits the prompt-end
+    """Two checkpoint rows. a's prompt end (9) is superseded by its release (11): when e hits the prompt-end
     checkpoint and a new prompt's end needs a row, the demoted one goes although it was used last."""
     c = coordinator(rows=3)
-    a = prefill(c, "a", list(range(1, 11)))  # prompt end at 10
+    a = prefill(c, "a", list(range(1, 11)))  # prompt end at 9
     c.alloc(a)
     a.update(8)
     c.step(a)
-    c.release("a")  # its release checkpoint at 11 supersedes the one at 10
+    c.release("a")  # its release checkpoint at 11 supersedes the one at 9
     c.take_state_copies()
-    e = ctx("e", [*range(1, 11), 99, 5])  # tail (9, 10) matches the checkpoint at 10, not (9, 10, 7)
+    e = ctx("e", [*range(1, 11), 99, 5])  # tail (9,) matches the checkpoint at 9, not (9, 10, 7)
     c.claim("e")
     c.alloc(e)
-    assert e.tokens.processed_length == 10
+    assert e.tokens.processed_length == 9
     c.release("e")  # (no step: nothing saved, the restore dropped)
     c.take_state_copies()
     prefill(c, "f", list(range(200, 207)))  # its prompt end evicts the demoted checkpoint, not the one at 11
@@ -365,5 +411,5 @@ def test_a_release_demotes_the_checkpoints_it_supersedes() -> None:
     h = ctx("h", [*range(1, 11), 99, 5])
     c.claim("h")
     c.alloc(h)
-    assert h.tokens.processed_length == 0 and c.checkpoint_cut("h") == 8  # the state at 10 is gone
+    assert h.tokens.processed_length == 0 and c.checkpoint_cut("h") == 8  # the state at 9 is gone
     c.check_integrity()

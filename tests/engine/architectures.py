@@ -78,8 +78,23 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
 ]  # fmt: skip
 
 
-def build(model_type: str, overrides: dict[str, Any] | None = None, seed: int = 0) -> Any:
-    """A tiny fp32 model of `model_type` (eager attention, seeded random weights, eos disabled)."""
+# test_stray_config.py: config attributes set, on every architecture above (and the recurrent-state ones) whose
+# config leaves them unset, to values its model does not use ("sliding": every layer a sliding layer)
+STRAY: dict[str, Any] = {"num_key_value_heads": 1, "head_dim": 8, "sliding_window": 4, "layer_types": "sliding"}
+# (model type, attribute): its model does read it, and transformers itself cannot run with the stray value
+STRAY_BREAKS_TRANSFORMERS = {
+    ("olmoe", "head_dim"), ("helium", "head_dim"), ("bitnet", "head_dim"), ("persimmon", "head_dim"),
+    ("stablelm", "head_dim"),
+}  # fmt: skip
+# model type -> the reason from_hf refuses it with its stray attributes (a regex)
+STRAY_REFUSED = {
+    "olmoe": "passes sliding_window=4 to its attention function but its layer's attention mask keeps every earlier key",
+}
+
+
+def config_for(model_type: str, overrides: dict[str, Any] | None = None) -> Any:
+    """The config `build` uses: `COMMON` and `overrides` (default: the type's `PARITY` row), GQA 4:2 where the
+    config has ``num_key_value_heads`` and `overrides` do not set it."""
     import transformers as tf
 
     kwargs = {**COMMON, **(PARITY.get(model_type, {}) if overrides is None else overrides)}
@@ -87,6 +102,14 @@ def build(model_type: str, overrides: dict[str, Any] | None = None, seed: int = 
     config = tf.AutoConfig.for_model(model_type, **kwargs)
     if getattr(config, "num_key_value_heads", None) is not None and "num_key_value_heads" not in kwargs:
         config = tf.AutoConfig.for_model(model_type, **kwargs, num_key_value_heads=2)
+    return config
+
+
+def build(model_type: str, overrides: dict[str, Any] | None = None, seed: int = 0) -> Any:
+    """A tiny fp32 model of `model_type` (eager attention, seeded random weights, eos disabled)."""
+    import transformers as tf
+
+    config = config_for(model_type, overrides)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     model.generation_config.eos_token_id = None
@@ -162,6 +185,34 @@ def render_markdown() -> str:
     for model_type, overrides in STATE_MODELS.items():
         shown = ", ".join(f"`{k}={v!r}`" for k, v in overrides.items() if k in STATE_SHOWN) or "defaults"
         lines.append(f"| `{model_type}` | {STATE_KINDS[model_type]} | {shown} |")
+    strays = ", ".join(f"`{k}={v!r}`" for k, v in STRAY.items())
+    lines += [
+        "",
+        "## Config attributes the model does not use",
+        "",
+        "`LLMEngine.from_hf` takes the page layout from what the attention modules compute (their K/V heads and "
+        "head size, the window or chunk their masks and attention calls carry, observed in one 2-token forward "
+        "that leaves the model as it was: `pagedkv.hf.probe`), never from config attributes the model does not "
+        "read, and cross-checks the config against it. `tests/engine/test_stray_config.py` builds every "
+        f'architecture above with each of {strays} (`"sliding"`: every layer a sliding layer) that its config '
+        "does not set itself. A stray `num_key_value_heads` or `head_dim` changes nothing: the engine equals "
+        "transformers' own `generate()` (fp32 logits within 1e-4; the recurrent-state models their full forward, "
+        "within 1e-3). A stray `sliding_window` or `layer_types` is different: transformers' own cache (and so "
+        "its `generate()`) keeps the window the config names whatever the model's attention does, so the model "
+        "has two answers; where the config's window differs from the one a layer's attention keeps, `from_hf` "
+        "refuses with a `ValueError` naming the layer, both windows and the attribute to change (for example "
+        "`config.sliding_window = None` on GPT-2), the model untouched. Where they agree (Mistral, Phi-3, "
+        "Mixtral, Starcoder2: their layers do slide by that window), the engine equals `generate()`. Where the "
+        "model's own parts disagree (a module passes a `sliding_window` its mask does not keep, keys and values "
+        "of different shapes, ALiBi slopes for another head count), `from_hf` refuses too.",
+        "",
+        "| model type | stray attribute | outcome |",
+        "|---|---|---|",
+    ]
+    for model_type, attr in sorted(STRAY_BREAKS_TRANSFORMERS):
+        lines.append(f"| `{model_type}` | `{attr}` | not set: the model reads it and transformers cannot run it |")
+    for model_type, reason in STRAY_REFUSED.items():
+        lines.append(f"| `{model_type}` | `sliding_window`, `layer_types` | refused: {reason} |")
     lines += ["", "## Refused (for now)", "", "| model type | config | reason |", "|---|---|---|"]
     for model_type, overrides, reason in REFUSED:
         shown = ", ".join(f"`{k}={v!r}`" for k, v in overrides.items()) or "defaults"

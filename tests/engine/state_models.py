@@ -48,9 +48,17 @@ STATE_MODELS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def build_state_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
-    """A random model of `model_type` (eager attention, eval mode) from `STATE_MODELS`."""
-    config = CONFIG_MAPPING[model_type](**COMMON, **STATE_MODELS[model_type])
+def config_for(model_type: str, overrides: dict[str, Any] | None = None) -> Any:
+    """The config of `model_type` `build_state_model` uses (`overrides`: more keywords)."""
+    return CONFIG_MAPPING[model_type](**{**COMMON, **STATE_MODELS[model_type], **(overrides or {})})
+
+
+def build_state_model(
+    model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, overrides: dict[str, Any] | None = None
+) -> Any:
+    """A random model of `model_type` (eager attention, eval mode) from `STATE_MODELS`; `overrides`: more config
+    keywords."""
+    config = config_for(model_type, overrides)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")

@@ -28,15 +28,16 @@ START = 2  # decoder_start_token_id
 Workload = list[tuple[list[int], list[int] | None]]  # (encoder prompt, decoder prompt)
 
 
-def build(seed: int = 0) -> Any:
-    """A tiny fp32 BART (2 + 2 layers, d_model 64, 4 heads) with seeded random weights; eos and forced tokens off."""
+def build(seed: int = 0, overrides: dict[str, Any] | None = None) -> Any:
+    """A tiny fp32 BART (2 + 2 layers, d_model 64, 4 heads) with seeded random weights; eos and forced tokens off.
+    `overrides`: more config keywords."""
     import transformers as tf
 
     config = tf.BartConfig(
         vocab_size=256, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=512,
         init_std=0.2, pad_token_id=1, bos_token_id=0, eos_token_id=None, decoder_start_token_id=START,
-        forced_bos_token_id=None, forced_eos_token_id=None,
+        forced_bos_token_id=None, forced_eos_token_id=None, **(overrides or {}),
     )  # fmt: skip
     torch.manual_seed(seed)
     model = tf.BartForConditionalGeneration._from_config(
@@ -183,8 +184,15 @@ def test_decoder_prompt_gets_the_start_token() -> None:
     assert engine.add_request([9, 10], 2, decoder_prompt=[7, 8]).ctx.tokens.all.tolist() == [START, 7, 8]
     assert engine.add_request([9, 10], 2, decoder_prompt=[START, 8]).ctx.tokens.all.tolist() == [START, 8]
     assert engine.add_request([9, 10], 2).ctx.tokens.all.tolist() == [START]
-    with pytest.raises(ValueError, match="encoder prompt"):
+    with pytest.raises(ValueError, match=r"prompt must be a non-empty 1-D sequence, got shape \(0,\)"):
         engine.add_request([], 2)
+    with pytest.raises(TypeError, match=r"decoder_prompt\[1\]=True is not a token id"):
+        engine.add_request([9, 10], 2, decoder_prompt=[START, True])  # (was read as token 1)
+    with pytest.raises(TypeError, match="prompt must be integers, got dtype float64"):
+        engine.add_request([9.7, 10.2], 2)  # (was truncated to [9, 10])
+    with pytest.raises(ValueError, match="cache_salt='' is empty"):
+        engine.add_request([9, 10], 2, cache_salt="")  # (was the unsalted chain)
+    assert len(engine.scheduler.waiting) == 3
 
 
 def test_rejects_unsupported_models() -> None:

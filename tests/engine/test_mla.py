@@ -31,15 +31,24 @@ MLA = dict(
 CONFIGS = [(16, 64, False), (1, 400, False), (16, 8, True)]
 
 
-def build(arch: str, seed: int = 0) -> Any:
-    """A 2-layer fp32 DeepSeek model (eager attention, eos disabled); layer 0 dense, layer 1 MoE."""
+def config_for(arch: str, overrides: dict[str, Any] | None = None) -> Any:
+    """The config of `arch` `build` uses (`overrides`: more keywords)."""
     import transformers as tf
 
-    config_cls, model_cls, extra = {
-        "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM, {}),
-        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, {"q_lora_rank": 32}),
+    config_cls, extra = {
+        "deepseek_v2": (tf.DeepseekV2Config, {}),
+        "deepseek_v3": (tf.DeepseekV3Config, {"q_lora_rank": 32}),
     }[arch]
-    config = config_cls(**{**COMMON, **MLA, **extra})
+    return config_cls(**{**COMMON, **MLA, **extra, **(overrides or {})})
+
+
+def build(arch: str, seed: int = 0, overrides: dict[str, Any] | None = None) -> Any:
+    """A 2-layer fp32 DeepSeek model (eager attention, eos disabled); layer 0 dense, layer 1 MoE. `overrides`:
+    more config keywords."""
+    import transformers as tf
+
+    model_cls = {"deepseek_v2": tf.DeepseekV2ForCausalLM, "deepseek_v3": tf.DeepseekV3ForCausalLM}[arch]
+    config = config_for(arch, overrides)
     torch.manual_seed(seed)
     model = model_cls._from_config(copy.deepcopy(config), attn_implementation="eager", dtype=torch.float32)
     model.generation_config.eos_token_id = None

@@ -59,7 +59,7 @@ def test_each_turn_of_a_conversation_resumes_where_the_last_one_stopped(model_ty
         prompt = prompt + request.output + tokens(3 + 2 * turn, 30 + turn)
     assert [r.cached_tokens for r in requests] == [0, 13 + NEW - 1, 13 + NEW + 3 + NEW - 1]
     check_parity(model_type, ref, batch, requests)
-    assert engine.manager.num_free_blocks() < engine.manager.total_num_pages  # the checkpoints' tails stay
+    assert engine.summary["checkpoint_pages"] > 0 and engine.summary["used_pages"] == 0  # the checkpoints stay
 
 
 @pytest.mark.parametrize("model_type", MODELS)
@@ -90,16 +90,20 @@ def test_prefix_caching_off_keeps_no_checkpoint() -> None:
 
 @pytest.mark.parametrize("model_type", ["lfm2", "qwen3_5_text"])
 def test_a_weights_update_midway_never_resumes_from_a_state_of_the_old_weights(model_type: str) -> None:
-    """One step (the prefill) under the old weights, then `update_weights`: the running request is released and
-    recomputed, and no checkpoint of old-weights state (prompt end, release) is a hit under the new version, so
-    its tokens are those of the new model on its prompt and the first token the old one produced."""
+    """Two steps (the prefill, ended before its last token where the prompt-end checkpoint is saved) under the old
+    weights, then `update_weights`: the running request is released and recomputed, and no checkpoint of
+    old-weights state (prompt end, release) is a hit under the new version, so its tokens are those of the new
+    model on its prompt and the first token the old one produced."""
     model = build_state_model(model_type, seed=25)
     new = build_state_model(model_type, seed=26)
     engine = LLMEngine.from_hf(model, page_size=16, num_pages=64, record_logits=True)
     prompt = tokens(10, 5)
     request = engine.add_request(prompt, NEW, stop_token_ids=[])
-    engine.step()  # the prompt's state, under the old weights: a prompt-end checkpoint inside the first page
+    engine.step()  # the prompt's state before its last token, under the old weights: a prompt-end checkpoint at 9
+    assert request.output == [] and engine.summary["state_checkpoints"] == 1
+    engine.step()  # its last token: the first output token
     first = request.output[:1]
+    assert first
     assert engine.update_weights(new.state_dict(), "v2") == 1
     engine.run()
     assert request.cached_tokens == 0  # nothing of the old weights resumed
@@ -123,3 +127,46 @@ def test_with_no_checkpoint_rows_the_next_turn_adopts_the_finished_requests_row(
     second = serve(engine, prompt)
     assert second.cached_tokens == 13 + NEW - 1
     check_parity("lfm2", ref, [tokens(13, 8), prompt], [first, second])
+
+
+def serve_all(engine: LLMEngine, batch: list[list[int]]) -> list[Request]:
+    requests = [engine.add_request(prompt, NEW, stop_token_ids=[]) for prompt in batch]
+    engine.run()
+    return requests
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "mamba2"])
+def test_a_model_of_state_layers_only_resumes_the_same_prompts_before_their_last_token(model_type: str) -> None:
+    """No attention page, so no divergence point to cut at: each prompt's state is saved before its last token
+    (the prompt's prefill ends a chunk there; the last token's logits are computed at the next step), so the same
+    prompts sent again compute their last token only, at parity with transformers and with no caching."""
+    model = build_state_model(model_type, seed=28)
+    ref, plain = copy.deepcopy(model), copy.deepcopy(model)
+    engine = LLMEngine.from_hf(model, page_size=PS, num_pages=64, record_logits=True)
+    batch = [tokens(n, 60 + n) for n in (4, 9, 17, 25, 36)]
+    first = serve_all(engine, batch)
+    again = serve_all(engine, batch)
+    assert [r.cached_tokens for r in first] == [0, 0, 0, 0, 0]
+    assert [r.cached_tokens for r in again] == [3, 8, 16, 24, 35]
+    assert engine.summary["prompt_tokens_cached"] == 86 and engine.summary["state_rows"] == 32 + 64
+    check_parity(model_type, ref, batch + batch, first + again)
+    uncached = LLMEngine.from_hf(plain, page_size=PS, num_pages=64, enable_prefix_caching=False)
+    assert [r.output for r in again] == uncached.generate(batch, max_new_tokens=NEW, stop_token_ids=[])
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_a_prompt_sent_again_resumes_before_its_last_token(model_type: str) -> None:
+    """Five prompts of 4 to 36 tokens sharing their first 3. The first round: the 4-token prompt saves its state at
+    3 (before its last token, the end of the shared prefix), which the others resume from. The second round: every
+    prompt resumes from its own prompt-end checkpoint, all 86 reusable tokens (each prompt but its last token)."""
+    model = build_state_model(model_type, seed=29)
+    ref = copy.deepcopy(model)  # (512 pages: room for the 10 checkpoints, in runs of up to 31 pages for bamba)
+    engine = LLMEngine.from_hf(model, page_size=PS, num_pages=512, max_num_batched_tokens=64, record_logits=True)
+    shared = tokens(3, 7)
+    batch = [shared + tokens(n - 3, 70 + n) for n in (4, 9, 17, 25, 36)]
+    first = [serve(engine, prompt) for prompt in batch]
+    again = serve_all(engine, batch)
+    assert [r.cached_tokens for r in first] == [0, 3, 3, 3, 3]
+    assert [r.cached_tokens for r in again] == [len(prompt) - 1 for prompt in batch] == [3, 8, 16, 24, 35]
+    assert engine.summary["prompt_tokens_cached"] == 12 + 86
+    check_parity(model_type, ref, batch + batch, first + again)

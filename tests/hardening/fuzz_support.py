@@ -6,6 +6,7 @@
   connector is left out of the draws, unless PAGEDKV_REQUIRE_REDIS=1, where the tests fail.
 - Tier faults done for real: `disk_fault` edits the page files of a disk tier, `redis_fault` the
   values of a Redis tier (flip a byte, truncate, delete, garbage, another page's bytes, a forged page).
+- `wait_for_each_offload`: the manager machine's tier transfers run one at a time (a deterministic machine);
 - `check_request_kv`: the shadow model of the manager machine; every position a request has processed
   must hold `prefix_values` of its own tokens (what `PrefixStampModel` wrote), read straight from the
   page buffers of every TP shard.
@@ -251,6 +252,37 @@ def _damaged(raw: bytes, donor: bytes | None, kind: str, picks: list[int], row_b
     new = mutate(raw, kind, picks[0] + 7 * picks[-1], row_bytes, donor)
     assert new is not None
     return new
+
+
+# ----------------------------------------------------------------------------- determinism
+def wait_for_each_offload(conn: Any) -> None:
+    """Make connector `conn`'s transfers run one after the other: `offload` returns once the transfers it
+    started are done (the copy into host rows, the writes below), and each lower tier's `store` once its
+    writes are. Otherwise thread timing decides what the tiers hold: `runtime_inputs` offloads one run of
+    pages per request that committed some, and a later run finds the host rows of an earlier one still
+    pinned by its writes (it skips, or evicts others) or not; one offload's host-row and staged writes
+    reach the disk tier as two `store` calls, and the second one's pages count against the cap in the
+    first one's writes or not (other victims). Hits, the machine's state and so its draws would then
+    differ between two runs of one example, which Hypothesis reports as a flaky strategy."""
+    offload = conn.offload
+
+    def offload_and_wait(*args: Any, **kwargs: Any) -> None:
+        offload(*args, **kwargs)
+        conn.flush()
+
+    conn.offload = offload_and_wait
+    for tier in conn.lower:
+        _store_and_wait(tier)
+
+
+def _store_and_wait(tier: Any) -> None:
+    store = tier.store
+
+    def store_and_wait(*args: Any, **kwargs: Any) -> None:
+        store(*args, **kwargs)
+        tier.wait()
+
+    tier.store = store_and_wait
 
 
 # ----------------------------------------------------------------------------- shadow model

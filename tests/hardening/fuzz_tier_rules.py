@@ -29,6 +29,7 @@ from fuzz_support import (
     redis_fault,
     redis_is_up,
     shared_redis,
+    wait_for_each_offload,
 )
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
@@ -226,6 +227,7 @@ class TierRules:
         if self.peer is None:
             self.peer = PagedKVCacheManager(self.params, None, self.num_pages, self.host_pages, enable_runtime_checks=True,
                                             max_batch_size=4)  # fmt: skip
+            wait_for_each_offload(self.peer.tiers.connectors[0])  # deterministic, as the machine's own
             self.peer_model = PrefixStampModel(self.peer)
         peer, conn = self.peer, self.peer.tiers.connectors[0]
         rng = np.random.default_rng(seed)

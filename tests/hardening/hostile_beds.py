@@ -38,23 +38,26 @@ class OpsBed:
     query: torch.Tensor
 
 
-def ops_bed(nonfinite: str = "pass", mla: bool = False) -> OpsBed:
+def ops_bed(nonfinite: str = "pass", mla: bool = False, sizes: tuple[int, ...] = (6,)) -> OpsBed:
+    """Requests "a", "b", ... of `sizes` new tokens (default: "a" alone, 6 tokens)."""
     extra: dict[str, Any] = dict(is_mla=True, n_kv_heads=1, num_q_heads=2) if mla else {}
     mgr = manager(nonfinite_kv=nonfinite, **extra)
-    c = running(mgr, n=6)
-    inputs = mgr.runtime_inputs([[c]]).inputs[0]
+    ctxs = [running(mgr, rid, n=n) for rid, n in zip("abcd", sizes, strict=False)]
+    inputs = mgr.runtime_inputs([ctxs]).inputs[0]
     g = torch.Generator().manual_seed(0)
-    heads = 1 if mla else 2
-    kv = [torch.randn(6, heads, 4, generator=g) for _ in range(2)]
-    return OpsBed(mgr, inputs, torch.tensor([0, 6]), kv[0], kv[1], torch.randn(6, 2, 4, generator=g))
+    heads, tokens = 1 if mla else 2, sum(sizes)
+    kv = [torch.randn(tokens, heads, 4, generator=g) for _ in range(2)]
+    offsets = torch.tensor([0, *np.cumsum(sizes).tolist()])
+    return OpsBed(mgr, inputs, offsets, kv[0], kv[1], torch.randn(tokens, 2, 4, generator=g))
 
 
 def on_ops(call: Callable[[OpsBed], Any], nonfinite: str = "pass", backend: str = "torch",
-           check: Callable[[OpsBed], Callable[[Any], None]] | None = None, mla: bool = False) -> Callable[[], Trial]:  # fmt: skip
+           check: Callable[[OpsBed], Callable[[Any], None]] | None = None, mla: bool = False,
+           sizes: tuple[int, ...] = (6,)) -> Callable[[], Trial]:  # fmt: skip
     """`call(bed)` under `backend`; the state is the bytes of every page."""
 
     def setup() -> Trial:
-        bed = ops_bed(nonfinite, mla)
+        bed = ops_bed(nonfinite, mla, sizes)
 
         def run() -> Any:
             with ops.use_backend(backend):
@@ -105,11 +108,14 @@ def engine_state(eng: Any) -> tuple[Any, ...]:
 
 
 def on_engine(call: Callable[[Any], Any], nan_weights: bool = False, pages_only: bool = False,
-              check: Callable[[Any], None] | None = None, **kw: Any) -> Callable[[], Trial]:  # fmt: skip
-    """`call(engine)`; the state is the engine's queue and manager, or only the page bytes (`pages_only`)."""
+              check: Callable[[Any], None] | None = None, queued: bool = False, **kw: Any) -> Callable[[], Trial]:  # fmt: skip
+    """`call(engine)`; the state is the engine's queue and manager, or only the page bytes (`pages_only`).
+    `queued`: request 0 (prompt [1, 2], 2 tokens) waits in the engine first."""
 
     def setup() -> Trial:
         eng = engine(nan_weights, **kw)
+        if queued:
+            eng.add_request([1, 2], 2)
         state = (lambda: Pages([t for b in eng.manager._buffers for t in b.all_buffers])) if pages_only else (
             lambda: engine_state(eng))  # fmt: skip
         return Trial(lambda: call(eng), state, check, eng.manager.close)

@@ -97,6 +97,8 @@ PARAMS_ROWS: list[Case] = [
       construct(lambda: KVConnectorConfig(disk_offload_max_gb=math.inf)), ValueError, "disk_offload_max_gb=inf must be a finite number > 0"),
     C("KVConnectorConfig", f"{NONFINITE_NUMBER}: timeout", "redis_timeout_s=nan",
       construct(lambda: KVConnectorConfig(redis_timeout_s=math.nan)), ValueError, "redis_timeout_s=nan must be a finite number > 0"),
+    C("KVConnectorConfig", f"{ZERO}: disk timeout", "disk_timeout_s=0",
+      construct(lambda: KVConnectorConfig(disk_timeout_s=0)), ValueError, "disk_timeout_s=0 must be a finite number > 0"),
     C("KVConnectorConfig", f"{ZERO}: threads", "io_threads=0", construct(lambda: KVConnectorConfig(io_threads=0)),
       ValueError, "io_threads=0 must be at least 1"),
     C("KVConnectorConfig", f"{HUGE}: 2**63", "io_threads=2**63", construct(lambda: KVConnectorConfig(io_threads=BIG)),

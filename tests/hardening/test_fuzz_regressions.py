@@ -2,7 +2,8 @@
 
 Of the manager machine over the tiers (`test_stateful_tiers.py`): the shadow check (`check_request_kv`)
 fails on a page holding another prefix's values; a forged page (the `forge` fault) is served unless
-pages are signed; a disk page whose file vanished is written to disk again once recomputed.
+pages are signed; a disk page whose file vanished is written to disk again once recomputed; one warm-up
+always ends in the same state (the machine is deterministic, as Hypothesis needs).
 Of the engine machine (`test_stateful_engine.py`): one wrong page moves the logits far beyond `ATOL`;
 a request longer than the whole cache is refused up front instead of blocking the queue.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import test_stateful_tiers as tiers
 import torch
 from fuzz_engine_support import ATOL, CONFIG, PREFIXES, reference
 from fuzz_support import check_request_kv, disk_page_files, forge, hmac_kwargs
@@ -133,6 +135,33 @@ def test_a_disk_page_whose_file_vanished_is_written_again(tmp_path: Path) -> Non
         assert _serve(mgr, model, 6, a) == 8  # fails: 0, a's pages were never written to disk again
     finally:
         mgr.close()
+
+
+def _warmed_up() -> tuple[object, ...]:
+    """What the tier machine holds after one seeded warm-up (40 rounds of `traffic`, no Hypothesis draw) on
+    host rows and disk pages: every live request's progress, each tier's counters and the disk's files."""
+    machine = tiers.TierMachine()
+    machine.tier_setup(page_size=2, num_pages=12, spec=0, algo="sha256", layout="mha", policy="lru", protect=0.0,
+                       leaves=False, connector="tiered", host_pages=3, disk_pages=10, io_threads=1, hmac_seed=0,
+                       warm_seed=3, warm_up=40)  # fmt: skip
+    try:
+        stats = {name: (s["pages_stored"], s["pages_loaded"], s["evictions"], s["skipped_writes"])
+                 for name, s in machine.mgr.tier_stats().items()}  # fmt: skip
+        files = [p.name for p in disk_page_files(machine.conn.lower[0].root)]
+        live = sorted((rid, c.tokens.processed_length, len(c.tokens)) for rid, c in machine.live.items())
+        return (live, sorted(stats.items()), files, machine.swaps)
+    finally:
+        machine.teardown()
+
+
+def test_the_tier_machine_holds_the_same_after_the_same_warm_up() -> None:
+    """The tier machine's draws depend on its state, so its state must not depend on thread timing (or
+    Hypothesis, replaying an example, finds other draws and raises FlakyStrategyDefinition). With few host
+    rows, one `runtime_inputs` pushes several runs of pages whose copies and writes raced each other for
+    host rows, and one offload's two `store` calls (host rows, staged) raced the disk tier's cap: five runs
+    of this warm-up ended in two or more states. `fuzz_support.wait_for_each_offload` runs them in turn."""
+    outcomes = [_warmed_up() for _ in range(5)]
+    assert all(o == outcomes[0] for o in outcomes[1:])
 
 
 # ----------------------------------------------------------------------------- engine + tiers

@@ -34,9 +34,11 @@ its own prefix's values; `PrefixStampModel` checks every position a forward read
 host, disk or Redis that holds anything else fails the example. Teardown releases everything, checks no
 device page or host row is leaked, closes the connectors and removes the temporary directory and keys.
 
-The machine is deterministic, so Hypothesis can replay and shrink what it finds: every `step` waits for
-the transfers it started (`_build`), disk writes use one thread, and a Redis failure is retried at
-once. Transfers racing the steps are the engine machine's job (`test_stateful_engine.py`).
+The machine is deterministic, so Hypothesis can replay and shrink what it finds (its draws depend on the
+state): every `step` waits for the transfers it started, each offload of a push waits for its own before
+the next one starts (`_build`, `fuzz_support.wait_for_each_offload`; the peer's too), disk writes use one
+thread, and a Redis failure is retried at once. `test_fuzz_regressions.py` runs one warm-up several times
+and requires one outcome. Transfers racing the steps are the engine machine's job (`test_stateful_engine.py`).
 The swap, `traffic`, `tier_fault` and `peer_traffic` rules are in `fuzz_tier_rules.TierRules`; this
 module holds the setup, `maintenance`, the checks and the teardown. The plain tests (the shadow check
 and the forged page are not vacuous, and a bug the machine found) are in `test_fuzz_regressions.py`.
@@ -61,6 +63,7 @@ from fuzz_support import (
     require_redis_or_skip_connector,
     shared_redis,
     stop_shared_redis,
+    wait_for_each_offload,
 )
 from fuzz_tier_rules import REPORT, TierRules
 from hypothesis import settings
@@ -167,6 +170,7 @@ class TierMachine(TierRules, ManagerMachine):
         self.allocated: set[int] = set()
         self.bm.pool.keyed_order().clock = lambda: self.now
         self.conn = self.mgr.tiers.connectors[0]
+        wait_for_each_offload(self.conn)  # (the runs of one push would race each other for host rows)
         step = self.mgr.step
 
         def step_then_settle(batches: Any) -> None:

@@ -38,9 +38,11 @@ def test_settings_of_each_medium(tmp_path: Path) -> None:
     assert (nodes.redis_url, nodes.redis_cluster_nodes) == ("redis+cluster://a:7000", ("b:7001", "[::1]:7002"))
     (tmp_path / "key").write_text("0123456789abcdef\n")
     disk = StorageSettings.from_extra_config({"disk_offload_dir": str(tmp_path), "disk_offload_max_gb": 0.5,
-                                              "tier_hmac_key_file": str(tmp_path / "key"), "model_id": "llama@main"})  # fmt: skip
+                                              "disk_timeout_s": 2.5, "tier_hmac_key_file": str(tmp_path / "key"),
+                                              "model_id": "llama@main"})  # fmt: skip
     assert (disk.medium, disk.disk_offload_max_gb, disk.tier_hmac_key) == ("disk", 0.5, b"0123456789abcdef")
     assert disk.connector_config("m", "tiny_0_1").model_id == "llama@main"
+    assert disk.connector_config("m", "tiny_0_1").disk_timeout_s == 2.5
     assert redis.connector_config("m", "tiny_0_1").model_id == "m"
     assert disk.connector_config("m", "tiny_0_1").disk_offload_dir == str(tmp_path / "tiny_0_1")
 
@@ -56,6 +58,8 @@ def test_settings_of_each_medium(tmp_path: Path) -> None:
             ValueError,
             r"\['disk_offload_max_gb'\]=nan must be > 0",
         ),
+        ({"disk_offload_dir": "/x", "disk_timeout_s": 0}, ValueError, r"\['disk_timeout_s'\]=0 must be > 0"),
+        ({"redis_url": "redis://h:1", "disk_timeout_s": 1}, ValueError, r"applies to a directory \(disk_offload_dir\)"),
         ({"disk_offload_dir": "/x\0"}, ValueError, r"\['disk_offload_dir'\]='/x\\x00' must be a path without NUL"),
         ({"disk_offload_dir": "/x", "model_id": "a b"}, ValueError, r"\['model_id'\]='a b'... must be at most 256"),
         ({"redis_cluster_nodes": []}, TypeError, r"\['redis_cluster_nodes'\]=\[\] must be a non-empty list"),

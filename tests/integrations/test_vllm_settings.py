@@ -15,7 +15,7 @@ from pagedkv.integrations.vllm import EXTRA_CONFIG_KEYS, BlockLayout, BlockMover
 
 LAYOUT = dict(model_id="m", layer_names=("l0", "l1"), spec_kind="FullAttentionSpec", dtype="torch.bfloat16",
               cache_dtype="auto", block_size=16, hash_block_size=16, num_heads=2, head_bytes=64, head_size=16,
-              head_size_v=16, tp_size=2, hash_algo="sha256", signed=False)  # fmt: skip
+              head_size_v=16, tp_size=2, hash_algo="sha256")  # fmt: skip
 
 
 def test_defaults_and_every_key(tmp_path: Path) -> None:
@@ -28,7 +28,8 @@ def test_defaults_and_every_key(tmp_path: Path) -> None:
     full: dict[str, Any] = {
         "redis_cluster_nodes": ["10.0.0.1:7000", "10.0.0.2:7001"], "redis_key_prefix": "", "redis_username": "u",
         "redis_password": "p", "redis_ttl_s": 60, "redis_timeout_s": 0.5, "redis_retry_s": 2,
-        "disk_offload_dir": str(tmp_path), "disk_offload_max_gb": 1.5, "tier_hmac_key_file": str(key_file),
+        "disk_offload_dir": str(tmp_path), "disk_offload_max_gb": 1.5, "disk_timeout_s": 2.5,
+        "tier_hmac_key_file": str(key_file),
         "model_id": "llama@rev", "load_async": True, "io_threads": 8, "max_pending_save_mb": 64,
     }  # fmt: skip
     assert set(full) | {"redis_url", "tier_hmac_key"} == set(EXTRA_CONFIG_KEYS)
@@ -43,6 +44,7 @@ def test_defaults_and_every_key(tmp_path: Path) -> None:
         8,
     )
     assert t.mac_key == b"0123456789abcdef0123"  # the file's final newline is not part of the key
+    assert (t.disk_offload_max_gb, t.disk_timeout_s) == (1.5, 2.5)
     assert (s.model_id, s.load_async, s.max_pending_save_bytes, t.disk_offload_max_gb) == ("llama@rev", True,
                                                                                            64 * 2**20, 1.5)  # fmt: skip
     assert t.redis_password == "p" and "redis_password" not in repr(t) and "tier_hmac_key" not in repr(t)
@@ -106,7 +108,7 @@ def test_fingerprint_covers_every_field_and_the_tp_rank() -> None:
     prints = {base.fingerprint(0), base.fingerprint(1)}
     changes = dict(model_id="other", layer_names=("l0",), spec_kind="MLAAttentionSpec", dtype="torch.float16",
                    cache_dtype="fp8", block_size=32, hash_block_size=8, num_heads=4, head_bytes=32, head_size=8,
-                   head_size_v=0, tp_size=4, hash_algo="sha256_cbor", signed=True)  # fmt: skip
+                   head_size_v=0, tp_size=4, hash_algo="sha256_cbor")  # fmt: skip
     assert set(changes) == set(LAYOUT)
     for name, value in changes.items():
         prints.add(BlockLayout(**{**LAYOUT, name: value}).fingerprint(0))  # type: ignore[arg-type]
@@ -167,3 +169,22 @@ def test_importing_the_package_imports_neither_vllm_nor_torch_nor_redis() -> Non
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "needs vllm: vllm"
+
+
+def test_the_tiers_keep_each_signing_key_in_a_namespace_of_its_own(tmp_path: Path) -> None:
+    """The connector's tiers name pages as every pagedkv tier does: the layout fingerprint, then the key id of a
+    signing key, so engines with another key (or none) never look up, refuse or write the deployment's pages."""
+    from pagedkv.connector_config import KVConnectorConfig
+    from pagedkv.integrations.vllm.tiers import TierSet
+    from pagedkv.offload.format import key_id
+
+    fingerprint = BlockLayout(**LAYOUT).fingerprint(0)  # type: ignore[arg-type]
+    names = []
+    for key in (None, "the deployment's key", "another deployment's key"):
+        tiers = TierSet(KVConnectorConfig(disk_offload_dir=str(tmp_path), tier_hmac_key=key), 64, fingerprint, "sha256")
+        [disk] = tiers.tiers
+        names.append(disk.root.name)  # type: ignore[attr-defined]
+        tiers.shutdown()
+    assert names == [fingerprint.hex()] + [f"{fingerprint.hex()}-{key_id(k)}" for k in
+                                           (b"the deployment's key", b"another deployment's key")]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)

@@ -122,8 +122,11 @@ class Held:
 
 
 def state_dir(mgr: PagedKVCacheManager, directory: Path) -> Path:
-    """The directory of the state connector's disk files (named by its layout fingerprint; before `close`)."""
-    return directory / mgr.tiers.state_connectors[0].lower[0].fingerprint.hex()
+    """The directory of the state connector's disk files (named by its layout fingerprint and signing key; before
+    `close`)."""
+    root = Path(mgr.tiers.state_connectors[0].lower[0].root)
+    assert root.parent == directory
+    return root
 
 
 def page_hashes(mgr: PagedKVCacheManager, toks: list[int], n: int) -> list[Any]:

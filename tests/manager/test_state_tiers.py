@@ -43,6 +43,7 @@ from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.interface import MambaSpec
 from pagedkv.manager.tier_link import tier_key
 from pagedkv.offload.format import HEADER_SIZE, key_bytes
+from pagedkv.offload.staged_loads import LoadCopyError
 from pagedkv.state_params import StateCacheParams
 
 
@@ -151,6 +152,44 @@ def test_a_release_before_the_forward_still_lands_the_loads(tmp_path: Path) -> N
     b.runtime_inputs([[again]])
     assert Held(b, "c", 25) == held
     b.release("c")
+    b.close()
+
+
+@pytest.mark.parametrize("broken", ["pages", "states", "both"])
+def test_a_failed_device_copy_restarts_the_request_and_it_resumes_with_the_same_bytes(
+    tmp_path: Path, broken: str
+) -> None:  # fmt: skip
+    """B's alloc stages A's 6 pages and its checkpoint image from host rows; the copies fail for real (the
+    host rows' tensor of the page connector, the checkpoint connector or both is broken until the failure:
+    torch's index_select raises). Right after it B is consistent (`check_integrity`): it holds nothing, stays
+    claimed and its context is back at its first token. Its next alloc looks it up again: it resumes at 25
+    from the same host rows and holds A's bytes there bit for bit."""
+    ps = 4
+    held, toks = serve_and_close(tmp_path, ps, tokens(23, 5), seed=12)
+    b = manager(layout(ps, "tiered", KVConnectorConfig(disk_offload_dir=str(tmp_path))))
+    c = ctx("b", [*toks, 1, 2])
+    b.claim("b")
+    b.alloc(c)
+    assert c.tokens.processed_length == 25 and [len(x.staged) for x in b.tiers.all_connectors] == [6, 1]
+    page_rows, state_rows = (x.host.buffer for x in b.tiers.all_connectors)
+    rows = {"pages": [page_rows], "states": [state_rows], "both": [page_rows, state_rows]}[broken]
+    shapes = [tuple(r.shape) for r in rows]
+    for r in rows:
+        r.resize_(0, r.shape[1])  # (the same storage: restored below)
+    with pytest.raises(LoadCopyError):
+        b.runtime_inputs([[c]])
+    for r, shape in zip(rows, shapes, strict=True):
+        r.resize_(shape)
+    b.check_integrity()
+    assert all(b.get_req_blocks("b", group=g) == [] for g in range(2))
+    assert c.tokens.processed_length == c.cached_prefix_length == 0
+    b.alloc(c)
+    assert c.tokens.processed_length == c.cached_prefix_length == 25
+    b.runtime_inputs([[c]])
+    assert Held(b, "b", 25) == held
+    b.release("b")
+    b.check_integrity()
+    assert b.get_num_used_pages() == 0
     b.close()
 
 

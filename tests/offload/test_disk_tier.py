@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import threading
@@ -72,7 +73,8 @@ def test_full_disk_skips_writes_and_serving_continues(tmp_path: Path, worker: An
 def test_full_tmpfs(tmp_path: Path, worker: Any) -> None:
     mount = tmp_path / "small"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(mount)], capture_output=True).returncode:
+    # 8 KiB: one block for the directory's page journal, one for a page file; the second page fills the disk
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(mount)], capture_output=True).returncode:
         pytest.skip("mounting a tmpfs needs privileges this machine does not give (the RLIMIT test covers it)")
     try:
         report = worker(spec(mount, prompts=[PROMPT, PROMPT]))
@@ -146,4 +148,81 @@ def test_a_victim_that_cannot_be_deleted_is_counted_and_writing_goes_on(tmp_path
     assert sorted(done) == list(range(60)) and not tier._writing
     assert (stats["pages_stored"], stats["evictions"], stats["errors"]) == (60, 58, 58)
     assert tier.num_used_pages == 2 and len(list(tmp_path.rglob("*.page"))) == 60  # (the refused files stay)
+    tier.shutdown()
+
+
+def _cap_writer(directory: str, writer: int, barrier: Any, out: Any) -> None:
+    """One writer process: 60 pages of its own through a tier capped at 20 pages on the shared directory."""
+    tier = DiskTier(directory, 64, 20 * (HEADER_SIZE + 64), b"p" * 16, "sha256", threads=4)
+    keys = [bytes([writer, i]) + bytes(30) for i in range(60)]
+    barrier.wait()  # the three write at once
+    for lo in range(0, 60, 10):
+        tier.store(
+            keys[lo : lo + 10], [memoryview(bytes([writer, i]) * 32) for i in range(lo, lo + 10)], lambda i: None
+        )
+    tier.wait()
+    out.put(tier.stats.snapshot())
+    tier.shutdown()
+
+
+def test_the_cap_is_the_directorys_across_processes(tmp_path: Path) -> None:
+    """Three writer processes, each with a 20-page cap on one directory, write 60 pages each at once: 20 page files
+    remain, every page was evicted at most once (by whichever process), a new process indexes exactly those 20,
+    and every one of them reads back whole."""
+    context = multiprocessing.get_context("fork")  # (the writers need only what this process imported)
+    barrier, out = context.Barrier(3), context.Queue()
+    writers = [context.Process(target=_cap_writer, args=(str(tmp_path), w, barrier, out)) for w in range(3)]
+    for p in writers:
+        p.start()
+    stats = [out.get(timeout=120) for _ in writers]
+    for p in writers:
+        p.join(120)
+        assert p.exitcode == 0
+    files = sorted(tmp_path.rglob("*.page"))
+    assert len(files) == 20
+    assert sum(s["pages_stored"] for s in stats) == 180 and sum(s["evictions"] for s in stats) == 160
+    assert all(s["errors"] == s["refused"] == 0 for s in stats)
+    reader = DiskTier(tmp_path, 64, 20 * (HEADER_SIZE + 64), b"p" * 16, "sha256", threads=2)
+    assert reader.num_used_pages == 20
+    keys = [bytes.fromhex(f.stem) for f in files]
+    dest = [bytearray(64) for _ in keys]
+    assert reader.fetch(keys, [memoryview(d) for d in dest]) == 20
+    assert all(d == bytes([k[0], k[1]]) * 32 for k, d in zip(keys, dest, strict=True))
+    reader.shutdown()
+
+
+def test_a_read_that_blocks_is_abandoned_and_never_writes_late(tmp_path: Path, monkeypatch: Any) -> None:
+    """The file system stops answering in the middle of a page (a dead NFS server, a FUSE daemon that never
+    replies; here `preadv` of that file waits for the test): `fetch` returns a miss once no page made progress
+    for `timeout_s`, while the read is still stuck, and when the read finally returns, the row given to the
+    abandoned fetch stays untouched. (The fetch runs on a thread with a deadline: a fetch that waits for the
+    stuck read fails the test instead of hanging it.)"""
+    tier = DiskTier(tmp_path, 64, 1 << 20, b"t" * 16, "sha256", threads=1, timeout_s=0.2)
+    key, row = bytes([9]) * 32, bytes(range(64))
+    tier.store([key], [memoryview(row)], lambda i: None)
+    tier.wait()
+    page, real, stuck, release = str(tier.path(key)), os.preadv, threading.Event(), threading.Event()
+
+    def preadv(fd: int, buffers: Any, offset: int) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}") == page and not release.is_set():
+            stuck.set()
+            release.wait(60)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    dest = bytearray(64)
+    got: list[int] = []
+    thread = threading.Thread(target=lambda: got.append(tier.fetch([key], [memoryview(dest)])), daemon=True)
+    thread.start()
+    thread.join(30)
+    returned = not thread.is_alive()
+    release.set()
+    thread.join(30)
+    assert stuck.is_set() and returned, "fetch waited for a read stuck in the file system"
+    assert got == [0] and tier.stats.errors == 1 and tier.stats.refused == 0
+    # a probe runs on the one reader thread after the stuck read's run: once one answers, that run has ended
+    assert any(tier.probe([key]) == [True] for _ in range(50))
+    assert dest == bytes(64)  # the late read wrote nothing into the abandoned fetch's row
+    monkeypatch.undo()
+    assert tier.fetch([key], [memoryview(dest)]) == 1 and dest == row
     tier.shutdown()

@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_host_tier import LAYOUTS, keys, pages, scramble
 
-from helpers import ctx, make_params, serve
+from helpers import ctx, decode, make_params, serve
 from pagedkv.core.events import BlockRemoved
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.offload import DiskTier, KVConnector, PageMover
@@ -29,13 +29,14 @@ PROMPT = list(range(1, 14))  # 13 tokens, pages of 4: pages 0-2 full and shareab
 SENTINEL = 0xAB
 
 
-def evicted_prefix_manager() -> tuple[PagedKVCacheManager, PrefixStampModel]:
-    """A 6-page device pool whose PROMPT prefix (3 pages) was evicted from the device but sits in host rows."""
+def evicted_prefix_manager(num_pages: int = 6) -> tuple[PagedKVCacheManager, PrefixStampModel]:
+    """A device pool whose PROMPT prefix (3 pages) was evicted from the device but sits in host rows."""
     params = make_params(**LOCAL, n_kv_heads=2, head_dim=2, num_layers=2)
-    mgr = PagedKVCacheManager(params, None, 6, total_num_host_pages=16, max_batch_size=2, enable_runtime_checks=True)
+    mgr = PagedKVCacheManager(params, None, num_pages, total_num_host_pages=16, max_batch_size=4,
+                              enable_runtime_checks=True)  # fmt: skip
     model = PrefixStampModel(mgr)
     serve(mgr, model, ctx("a", PROMPT), 4)
-    serve(mgr, model, ctx("evictor", range(50, 70)), 2)  # 20 tokens: needs every device page
+    serve(mgr, model, ctx("evictor", range(50, 46 + 4 * num_pages)), 2)  # (+ 2 tokens: needs every device page)
     mgr.sync_tiers()
     return mgr, model
 
@@ -193,9 +194,10 @@ def test_failed_device_copy_unpins_forgets_the_pages_and_raises(monkeypatch: pyt
         raise RuntimeError("copy engine fault")
 
     monkeypatch.setattr(conn.mover, "from_rows", broken)
-    with pytest.raises(LoadCopyError, match="must be recomputed") as info:
+    with pytest.raises(LoadCopyError, match="were rolled back: alloc them again") as info:
         mgr.runtime_inputs([[b]])
     assert info.value.pages == loaded and isinstance(info.value.__cause__, RuntimeError)
+    mgr.check_integrity()  # b gave those pages back
     assert all(pool.block_hash(p) is None for p in loaded)  # no later request can hit their garbage
     assert len(conn.staged) == 0 and nothing_pinned(mgr)
     mgr.tiers.after_step()  # listeners hear that the device no longer holds those pages
@@ -203,7 +205,7 @@ def test_failed_device_copy_unpins_forgets_the_pages_and_raises(monkeypatch: pyt
                for h in e.block_hashes]  # fmt: skip
     assert removed == keys
     monkeypatch.undo()
-    mgr.release("b")  # its caller recomputes it
+    mgr.release("b")  # (its caller may also give up on it)
     mgr.check_integrity()
     c = ctx("c", [*PROMPT, 98])
     mgr.claim("c")
@@ -212,6 +214,59 @@ def test_failed_device_copy_unpins_forgets_the_pages_and_raises(monkeypatch: pyt
     model.forward([[c]])
     mgr.release("c")
     mgr.check_integrity()
+    mgr.close()
+
+
+def test_a_failed_device_copy_rolls_back_every_request_holding_its_pages() -> None:
+    """A real copy failure (the host rows' tensor broken between `alloc` and the copy: torch's index_select
+    raises): right after it every live request is consistent (`check_integrity`), and each one that held a
+    failed page gave back its pages from there, its context moved back to match, so its next `alloc` and
+    forward compute them, with the right KV."""
+    mgr, model = evicted_prefix_manager(8)  # PROMPT's 3 pages are in host rows, not on the device
+    conn, pool = mgr.tiers.connectors[0], mgr._managers[0].pool
+    d = ctx("d", [300, 301, 302])  # running, on no page the load touches
+    mgr.claim("d")
+    decode(mgr, model, d, 1)
+    serve(mgr, model, ctx("p", PROMPT[:5]), 1)  # puts PROMPT's first page back on the device (computed)
+    b, c = ctx("b", [*PROMPT, 99]), ctx("c", [*PROMPT[:8], 77, 78])
+    for x in (b, c):
+        mgr.claim(x.request_id)
+        mgr.alloc(x)
+    first, loaded = mgr.get_req_blocks("b")[0], mgr.get_req_blocks("b")[1:3]
+    assert (b.tokens.processed_length, c.tokens.processed_length) == (12, 8) and len(conn.staged) == 2
+    assert mgr.get_req_blocks("c")[:2] == [first, loaded[0]]  # c hit b's loaded page on the device
+    rows = conn.host.buffer
+    shape = tuple(rows.shape)
+    rows.resize_(0, shape[1])  # the copy's source is broken (same storage: restored below)
+    with pytest.raises(LoadCopyError) as info:
+        mgr.runtime_inputs([[b, c, d]])
+    rows.resize_(shape)
+    assert info.value.pages == loaded and isinstance(info.value.__cause__, RuntimeError)
+    mgr.check_integrity()  # every live request is consistent at once
+    assert mgr.get_req_blocks("b") == [first] and mgr.get_req_blocks("c") == [first]  # back to before the load
+    assert (b.tokens.processed_length, c.tokens.processed_length) == (4, 4)  # and so are their contexts
+    assert all(pool.block_hash(page) is None for page in loaded) and nothing_pinned(mgr)
+    assert len(mgr.get_req_blocks("d")) == 1
+    mgr.reset_prefix_cache()  # the host rows too: what the failed pages were to hold must be computed now
+    for x in (b, c):
+        mgr.alloc(x)  # each computes from its first lost token
+    assert (b.tokens.processed_length, c.tokens.processed_length) == (4, 4)
+    assert (b.cached_prefix_length, c.cached_prefix_length) == (4, 4)
+    mgr.alloc(d)
+    model.forward([[b, c, d]])  # every position read holds its own prefix's KV
+    for x in (b, c, d):
+        x.update(5)
+    mgr.step([[b, c, d]])
+    for x in (b, c, d):
+        mgr.alloc(x)
+    checked = model.positions_checked
+    model.forward([[b, c, d]])  # reads b's and c's recomputed pages
+    assert model.positions_checked - checked == 14 + 10 + 4
+    for x in (b, c, d):
+        mgr.release(x.request_id)
+    mgr.sync_tiers()  # (the last forward's offloads)
+    mgr.check_integrity()
+    assert mgr.get_num_used_pages() == 0 and nothing_pinned(mgr)
     mgr.close()
 
 

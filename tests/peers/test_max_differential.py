@@ -9,6 +9,16 @@ contents up to a renaming of page ids, the metrics' input and cache tokens, and 
 exception.
 
 Where pagedkv differs on purpose, the comparison says so:
+- which page an allocation takes: pagedkv takes a free page that holds no hash before it evicts a
+  cached one; MAX 26.3 keeps both kinds in one queue in the order they were freed and takes its head
+  (`BlockPool.alloc_block` pops `free_block_queue`, uncommitting the hash of a cached block), so it
+  evicts a cached page while a page freed later holds nothing (a released request's last, partial
+  page; a page `step` merged into a cached copy; a page `reset_prefix_cache` cleared). Evicting the
+  page that holds nothing loses no hit, so pagedkv keeps it: its prefix cache then holds pages MAX's
+  lost, and a later alloc skips more tokens than MAX's. `MaxSide` gives MAX's pool pagedkv's choice
+  (`take_pages_holding_nothing_first`): everything else (which cached page goes first, the hits, the
+  tables, the metrics) is still MAX's own; `test_a_page_holding_nothing_goes_before_a_cached_one`
+  shows the difference on MAX as released;
 - page ids: pagedkv reuses a freed page that holds no hash before a never-used one, so the ids differ
   and tables are compared up to a consistent renaming within each call;
 - the hash chain's seed: pagedkv's is secret per deployment (MAX's is fixed); only hits are compared;
@@ -71,13 +81,37 @@ class Side:
         return int(self.ctx[rid].tokens.processed_length)
 
 
+def take_pages_holding_nothing_first(pool: Any) -> list[int]:
+    """Make MAX's device `BlockPool` take a free block that holds no hash, when there is one, before it
+    evicts the head of its free queue (pagedkv's choice, the first difference in the module docstring).
+    Returns a list that gets one entry per allocation where this changed MAX's choice."""
+    queue, alloc_block, changed = pool.free_block_queue, pool.alloc_block, []
+
+    def alloc_holding_nothing_first() -> tuple[Any, int | None]:
+        block = queue.free_list_head
+        while block is not None and block.block_hash is not None:
+            block = block.next_free_block
+        if block is None or block is queue.free_list_head:
+            return alloc_block()  # MAX's own: the head holds nothing, or every free block is cached
+        changed.append(block.bid)  # MAX would have evicted the cached head
+        queue.remove(block)  # what MAX's `alloc_block` does with a block that holds no hash
+        assert block.ref_cnt == 0
+        block.ref_cnt += 1
+        return block, None
+
+    pool.alloc_block = alloc_holding_nothing_first
+    return changed
+
+
 class MaxSide(Side):
-    def __init__(self, shape: Shape) -> None:
+    def __init__(self, shape: Shape, *, pagedkv_victims: bool = True) -> None:
         super().__init__(shape)
         params = MaxParams(dtype=MaxDType.float32, n_kv_heads=1, head_dim=8, num_layers=1,
                            devices=[MaxDeviceRef.CPU()], enable_prefix_caching=True, page_size=shape.page_size,
                            num_eagle_speculative_tokens=shape.speculative)  # fmt: skip
         self.mgr = MaxManager(params, InferenceSession(devices=[CPU()]), shape.num_pages, max_batch_size=16)
+        pool = self.mgr._replica[0].block_manager.device_block_pool
+        self.changed_victims = take_pages_holding_nothing_first(pool) if pagedkv_victims else []
 
     def claim(self, rid: str, tokens: list[int]) -> None:
         self.ctx[rid] = MaxContext(max_length=4096, tokens=MaxTokenBuffer(np.array(tokens, dtype=np.int64)),
@@ -248,6 +282,24 @@ def test_a_small_pool_evicts_alike() -> None:
         ops += serve(f"d{i}", [100 * i + k for k in range(13)], 2)
     ops += serve("again", list(range(13)), 1) + [("reset",)] + serve("after-reset", list(range(13)), 1)
     assert run(Shape(4, 10), ops) == len(ops)
+
+
+def test_a_page_holding_nothing_goes_before_a_cached_one() -> None:
+    """The first named difference on a 6-page pool of 4-token pages. Requests a and b (9 tokens: two cached
+    pages and a partial one each) are served and released, in turn, which leaves MAX's free queue
+    [a2, a1, a0, b2, b1, b0] (each request's tail first); c (9 new tokens) needs 3 pages. MAX takes the head:
+    a2 and both of a's cached pages. pagedkv takes a2 and b2, which hold nothing, and evicts a1 only, so a's
+    prompt served again skips its first page on pagedkv and nothing on MAX. Given pagedkv's choice (for c's
+    second page and for the second page of a's prompt served again), MAX agrees with pagedkv on the whole trace."""
+    a = list(range(9))
+    ops = [*serve("a", a, 0), *serve("b", list(range(100, 109)), 0), *serve("c", list(range(200, 209)), 0),
+           ("claim", "again", a), ("alloc", "again", None)]  # fmt: skip
+    shape = Shape(4, 6)
+    as_released, given_our_choice, ours = MaxSide(shape, pagedkv_victims=False), MaxSide(shape), PagedSide(shape)
+    skipped = [[apply(side, op) for op in ops][-1] for side in (as_released, given_our_choice, ours)]
+    assert skipped == [0, 4, 4]
+    assert len(given_our_choice.changed_victims) == 2 and not as_released.changed_victims
+    assert run(shape, ops) == len(ops)
 
 
 def test_too_long_a_request_raises_the_same_error() -> None:

@@ -54,7 +54,7 @@ def test_scores_equal_vllm_computed_blocks(algo: str, monkeypatch: pytest.Monkey
     port, replay_port = free_port(), free_port()
     pub = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay_port}", topic="kv@e")
     index = PrefixIndex([EngineSpec("vllm", f"tcp://127.0.0.1:{port}", VLLMHasher(block, algo, seed or "vllm-none-hash"),
-                                    f"tcp://127.0.0.1:{replay_port}", "kv@")])  # fmt: skip
+                                    f"tcp://127.0.0.1:{replay_port}", "kv@e")])  # fmt: skip
     published = 0
 
     def publish() -> None:

@@ -184,7 +184,7 @@ def test_bad_pages_are_load_errors_and_vllm_recomputes(model: str, tmp_path: Pat
         blocks = b.blocks["b0"]
         assert log[0]["loads"] == [("b0", 3, False)] and log[0]["invalid"] == blocks[1:3]
         assert log[1]["computed"] == {"b0": 16} and log[1]["scheduled"] == {"b0": 34}  # vLLM recomputes
-        assert store.stats.refused == 1 and log[1]["saves"] == 2  # the refused page is deleted, then healed:
+        assert store.stats.refused == 1 and log[1]["saves"] == 2  # the refused page is left, then written over:
     b.worker.wait_for_writes()
     if tier == "disk":  # the recomputed blocks are stored again, the same bytes as engine A's
         assert _page_path(tmp_path, key).read_bytes() == original

@@ -143,3 +143,16 @@ def test_bench_decision_latency_runs_small() -> None:
 
     result = decision_latency(blocks=300, decisions=20, engines=2)
     assert result["pagedkv sha256 blocks per engine"] == 300 and result["vLLM sha256"] > 0
+
+
+def test_hashers_check_tokens_and_salts_as_every_entry_does() -> None:
+    """One token validator and one salt rule: a bool is not token 1, "" is not "no salt" (vLLM's own hash
+    reads "" as no salt, so the router refuses it rather than predict a chain the engine would not use)."""
+    from pagedkv.router import VLLMHasher
+
+    for hasher in (HASHER, VLLMHasher(4)):
+        with pytest.raises(TypeError, match=r"tokens\[1\]=True is not a token id"):
+            hasher.hashes([5, True, 7, 8, 9, 10])
+        with pytest.raises(ValueError, match="cache_salt='' is empty"):
+            hasher.hashes(list(range(9)), "")
+        assert hasher.hashes([]) == [] and hasher.hashes(list(range(9)), "t") != hasher.hashes(list(range(9)))

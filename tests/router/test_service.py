@@ -64,6 +64,10 @@ def test_route_proxies_to_the_engine_holding_the_prefix(tmp_path: Path) -> None:
             with pytest.raises(urllib.error.HTTPError) as err:
                 post(url + "/v1/completions", {"prompt": "text without a tokenizer"})
             assert err.value.code == 400
+            for salt in ("", 5):  # "" is refused as everywhere (it was the unsalted chain), before any routing
+                with pytest.raises(urllib.error.HTTPError) as err:
+                    post(url + "/route", {"prompt": prefixes[0] + [2], "cache_salt": salt})
+                assert err.value.code == 400 and "cache_salt=" in json.loads(err.value.read())["error"]
             metrics = urllib.request.urlopen(url + "/metrics").read().decode()
             assert "pagedkv_router_predictions_exact_total 8" in metrics
             assert "pagedkv_router_predicted_hit_tokens_total" in metrics and 'reason="prefix"' in metrics

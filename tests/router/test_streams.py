@@ -198,3 +198,40 @@ def test_a_fixed_loopback_port_is_bound_when_asked() -> None:
     finally:
         index.close()
         pub.close()
+
+
+def test_messages_of_a_longer_topic_are_counted_not_applied() -> None:
+    """A SUB socket subscribed to ``kv`` also gets ``kvX`` and ``kv-metrics`` (ZMQ matches prefixes): the
+    index compares the topic frame exactly, so only ``kv`` batches apply and their numbering is untouched."""
+    pub = ScriptedPublisher()
+    index = start(pub)
+    try:
+        pub.send(0, payload(stored(KEYS[:1])))
+        pub.raw([b"kvX", (1).to_bytes(8, "big"), payload(stored(KEYS[:5]))])
+        pub.raw([b"kv-metrics", (2).to_bytes(8, "big"), payload(stored(KEYS[:4]))])
+        pub.raw([b"kv-metrics", b"not", b"a", b"batch"])
+        pub.send(1, payload(stored(KEYS[1:2], parent=KEYS[0])))
+        pub.send(2, payload(stored(KEYS[2:3], parent=KEYS[1])))
+        wait_for(lambda: index.next_seq("e") == 3)
+        stats = index.stats("e")
+        assert (score(index), stats.batches, stats.gaps, stats.restarts, stats.malformed) == (12, 3, 0, 0, 0)
+        assert stats.other_topics == 3
+    finally:
+        index.close()
+        pub.close()
+
+
+def test_a_publisher_of_another_topic_is_ignored_live_and_in_replays() -> None:
+    """The replay answers of a publisher whose topic only starts with the engine's are skipped too."""
+    pub = ScriptedPublisher(topic=b"kv-metrics")
+    pub.send(0, payload(stored(KEYS[:3])), live=False)  # buffered: the initial replay answers it
+    index = start(pub)
+    try:
+        pub.send(1, payload(stored(KEYS[:5])))
+        wait_for(lambda: index.last_message("e") is not None or getattr(index.stats("e"), "other_topics", 0) == 2)
+        stats = index.stats("e")
+        assert (stats.batches, stats.replayed, index.next_seq("e"), score(index)) == (0, 0, None, 0)
+        assert stats.other_topics == 2
+    finally:
+        index.close()
+        pub.close()

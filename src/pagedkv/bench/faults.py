@@ -60,7 +60,7 @@ DEFINITIONS = {
     "unaccounted_pages": "per round, |prompt tokens - computed (counted at the model's input) - cached at admission| "
     "plus tier-loaded tokens (tier_stats pages_loaded) beyond the cached ones, in pages",
     "missing_in_tier": "full pages of the served sequences not stored intact (full size) after the last round",
-    "damaged_not_refused": "damaged pages - pages the tier refused (each must be refused, deleted, recomputed)",
+    "damaged_not_refused": "damaged pages - pages the tier refused (each must be refused, recomputed, written over)",
 }
 Progress = Callable[[int, int, str], None]
 

@@ -110,7 +110,7 @@ class PageKeys:
 
     def __init__(self) -> None:
         self._keys: dict[tuple[Any, tuple[int, ...]], Any] = {}
-        self.deleted = 0  # pages removed from disk / Redis (a refused page is deleted)
+        self.deleted = 0  # pages removed from disk / Redis (a refused page is not: it is written over)
 
     def listen(self, batch: KVEventBatch) -> None:
         for e in batch.events:

@@ -155,7 +155,9 @@ def decision_latency(blocks: int, decisions: int, engines: int = 4, seed: int = 
     prompts = [r.prompt for r in make_trace("zipf", decisions, seed)]
     out = {}
     for label, hasher in (("pagedkv sha256", PagedKVHasher(16, seed=bytes(32))), ("vLLM sha256", VLLMHasher(16))):
-        index = PrefixIndex([EngineSpec(f"e{i}", "tcp://127.0.0.1:1", hasher) for i in range(engines)], start=False)
+        index = PrefixIndex(
+            [EngineSpec(f"e{i}", "tcp://127.0.0.1:1", hasher, topic="kv") for i in range(engines)], start=False
+        )
         rng = np.random.default_rng(seed)
         for i in range(engines):  # each engine: the first prompts' blocks, then random ones up to `blocks`
             held = list(dict.fromkeys(h for p in prompts[i::engines][:20] for h in hasher.hashes(p)))[:blocks]

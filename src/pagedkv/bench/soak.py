@@ -203,8 +203,10 @@ def summarize(knobs: dict[str, Any], tally: dict[str, Any], samples: list[dict[s
     growth, peak = (end["rss_kib"] - warm["rss_kib"]) / 1024, (rss_max - warm["rss_kib"]) / 1024
     prompt_tokens, cached, swaps = (sum(e[k] for e in engines.values()) for k in ("prompt_tokens", "prompt_tokens_cached", "swaps"))  # fmt: skip
     base = marks["baseline"]
-    caps = {"threads": base["threads"] + len(engines) * (1 + knobs["io_threads"]),  # offload + I/O pool threads
-            "fds": base["fds"] + knobs["io_threads"] + 1}  # Redis connections: I/O threads + the loading one  # fmt: skip
+    io = knobs["io_threads"]
+    # threads: each engine's offload thread and I/O pool, and the disk tier's readers; fds: Redis connections (I/O
+    # threads + the loading one) and the disk tier's page journal
+    caps = {"threads": base["threads"] + len(engines) * (1 + io) + io, "fds": base["fds"] + io + 1 + 1}
     new_threads = [t.name for t in seen["end"][1] - seen["warmup"][1]]
     left_fds = sorted(seen["after"][0] - seen["baseline"][0])
     left_threads = [t.name for t in seen["after"][1] - seen["baseline"][1]]

@@ -148,13 +148,9 @@ class BlockManager:
         if need > 0:
             available = self.pool.num_free - self.pool.count_unreferenced(hits)
             if need > available:
-                pool = self.pool
-                raise InsufficientBlocksError(
-                    f"Cannot get {need} free blocks for request {ctx.request_id!r} "
-                    f"(only {available} available; {pool.num_used}/{pool.num_blocks} blocks currently in use)",
-                    needed=need,
-                    available=available,
-                )
+                used, total = self.pool.num_used, self.pool.num_blocks
+                raise InsufficientBlocksError.for_request(ctx.request_id, need, available, used, total)
+        st.context = ctx
         if new_keys:
             st.hashes.extend(new_keys)
             st.digest = digest
@@ -236,6 +232,36 @@ class BlockManager:
             self._cache_tokens += n * self.page_size
             if self.hooks.emit is not None:
                 self.hooks.committed(st.hashes, first, first + n, ctx.tokens.all, self.page_size)
+
+    def drop_failed_loads(self, pages: Sequence[int], hashes: Sequence[BlockHash]) -> list[RequestID]:
+        """Undo tier loads whose device copy failed (`pages[i]` was to hold `hashes[i]`); returns the requests
+        rolled back. Each page still cached under its hash leaves the prefix cache (announced), and every
+        request holding one gives back its pages from the first such one on (tail first) and its context
+        (the one its last `alloc` was given) moves back to that page's first token: table and context are
+        consistent at once, and its next `alloc` looks the rest up again (device, tiers). A page no
+        longer cached under its hash (evicted, or swapped for a cached copy at commit) holds nothing anyone
+        reads. Runs once per failure: O(tables)."""
+        pool, ps = self.pool, self.page_size
+        bad = [page for page, key in zip(pages, hashes, strict=True) if pool.cached_page(key) == page]
+        if not bad:
+            return []
+        pool.uncache(bad)
+        gone, rolled = set(bad), []
+        for rid, st in self._reqs.items():
+            first = next((i for i, page in enumerate(st.pages[: st.committed].tolist()) if page in gone), None)
+            if first is None:
+                continue
+            if st.unwritten >= 0:  # pages committed at alloc for a step that will not run as planned
+                first = min(first, st.unwritten)
+                self._unregister(st)
+            pool.free(st.pages[first : st.num_pages][::-1].tolist())
+            st.num_pages = st.committed = first
+            if st.context is not None:  # (a request holding pages was given one by `alloc` or `swap_restore`)
+                tokens = st.context.tokens
+                tokens.rewind_processing(max(0, tokens.processed_length - first * ps))
+                st.context.cached_prefix_length = min(st.context.cached_prefix_length, first * ps)
+            rolled.append(rid)
+        return rolled
 
     def step(self, ctx: TextContext) -> None:
         """Commit the full pages of ``ctx`` whose KV is written (no-op without prefix caching or for a dummy)."""
@@ -390,6 +416,7 @@ class BlockManager:
         st.hashes = list(record.hashes)
         st.digest = record.digest
         st.committed = len(hits)
+        st.context = ctx
         return [(len(hits) + i, page) for i, page in enumerate(fresh)]
 
     def swap_recommit(self, ctx: TextContext, record: SwappedPages) -> None:

@@ -507,6 +507,20 @@ class StateCheckpoints:
         refs.update(page for p in self._restoring.values() for page in p.tails)
         return refs
 
+    def page_usage(self) -> tuple[int, int]:
+        """(pages the attention pool counts as referenced that only checkpoints hold, pages checkpoints take).
+        The first: tail pages no request holds any more and the runs a pending restore holds; the second: those
+        and every page of every run (cached free pages of the pool). Both are evictable: a tail page goes back
+        when an allocation needs it (`reclaim`), a run with any of its pages (the pool's policy). No side
+        effects; costs one pass over the checkpoints."""
+        ref, only = self.token_pool.ref_count, 0
+        tails = 0
+        for page, n in self.tail_refs().items():
+            if ref(page) == n:
+                only += 1
+                tails += page not in self._run_of
+        return only, len(self._run_of) + tails
+
     def check(self, live: Counter[int]) -> None:
         """Raise `IntegrityError` unless the rows pool matches `live` (request slots) plus the pending
         restores, every cached row (or run) has its entry and index, and every run is cached whole."""

@@ -19,36 +19,15 @@ from typing import Any
 import numpy as np
 
 from pagedkv.core.hashing import check_salt
+from pagedkv.validation import as_token_array
 
-__all__ = ["TokenBuffer", "TextContext", "RequestID", "Retention", "check_request_id"]
+__all__ = ["TokenBuffer", "TextContext", "RequestID", "Retention", "as_token_array", "check_request_id"]
 
 RequestID = Hashable
 """Any hashable request id (MAX uses strings)."""
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _NATIVE_LE = sys.byteorder == "little"  # (int32 token arrays are native: little-endian bytes need no swap)
-
-
-def as_token_array(tokens: Any, copy: bool = True) -> np.ndarray:
-    """`tokens` as a fresh int32 array (`copy` False: `tokens` itself when it is one already); ValueError unless
-    1-D, non-empty and inside int32, TypeError unless integers."""
-    if type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1 and tokens.size:
-        return tokens.copy() if copy else tokens  # (int32 already: nothing to check)
-    array = np.asarray(tokens)
-    if array.ndim == 0:
-        raise TypeError(f"tokens must be a 1-D sequence of token ids, got {type(tokens).__name__}")
-    if array.ndim != 1 or array.size == 0:
-        raise ValueError(f"tokens must be a non-empty 1-D sequence, got shape {array.shape}")
-    if array.dtype == object and all(type(t) is int for t in array.tolist()):  # ints past int64
-        bad = next(t for t in array.tolist() if not _INT32_MIN <= t <= _INT32_MAX)
-        raise ValueError(f"token {bad} is outside int32 [{_INT32_MIN}, {_INT32_MAX}]")
-    if not np.issubdtype(array.dtype, np.integer):
-        raise TypeError(f"tokens must be integers, got dtype {array.dtype}")
-    low, high = int(array.min()), int(array.max())
-    if low < _INT32_MIN or high > _INT32_MAX:
-        bad = low if low < _INT32_MIN else high
-        raise ValueError(f"token {bad} is outside int32 [{_INT32_MIN}, {_INT32_MAX}]")
-    return array.astype(np.int32)
 
 
 def _count(method: str, n: Any) -> int:

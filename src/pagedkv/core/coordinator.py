@@ -25,7 +25,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from pagedkv.core import hybrid_state
+from pagedkv.core import hybrid_state, state_hits
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.checkpoints import Checkpoint, RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.checks import check_hybrid_tables, check_manager_args, check_state_args, check_swap_restore
@@ -39,7 +39,7 @@ from pagedkv.core.managers import GroupManager
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy
 from pagedkv.core.queue_wants import QueueWants
-from pagedkv.core.state_hits import find_state_hit, keeps, plan_fits, release_request, save_state, wanted_run
+from pagedkv.core.state_hits import find_state_hit, keeps, plan_fits, release_request, save_due, wanted_run
 from pagedkv.core.tables import (
     BatchTables,
     RequestPages,
@@ -165,16 +165,16 @@ class KVCacheCoordinator:
             if need > available and self.states is not None and self.states.reclaim(need - available, *keeps(plan)):
                 available = self._available(hst, plan)  # checkpoints gave their tails' pages back
             if need > available:
-                raise InsufficientBlocksError(
-                    f"Cannot get {need} free blocks for request {ctx.request_id!r} (only {available} available; "
-                    f"{self.pool.num_used}/{self.pool.num_blocks} blocks currently in use)",
-                    needed=need,
-                    available=available,
-                )
+                used, total = self.pool.num_used, self.pool.num_blocks
+                raise InsufficientBlocksError.for_request(ctx.request_id, need, available, used, total)
         self._apply(hst, ctx, plan)
         if first and self.enable_prefix_caching and tokens.active_length > 1:
             self._from_tiers(hst, ctx)
         self.wants.unexpect(ctx.request_id)  # admitted: it holds what it hits, so its want (if any) ends
+
+    def restart_holders(self, pages: Iterable[int], rows: Iterable[int] = ()) -> list[RequestID]:
+        """`state_hits.restart_holders` on this coordinator's requests (after tier loads whose copy failed)."""
+        return state_hits.restart_holders(self._reqs, set(pages), set(rows), self)
 
     def _from_tiers(self, st: HybridRequest, ctx: TextContext) -> None:
         """A first alloc's hit extended from the tiers (`tier_hit`): loaded pages committed, tokens skipped."""
@@ -190,6 +190,7 @@ class KVCacheCoordinator:
             ctx.cached_prefix_length = tokens.processed_length
         cut = max(st.cut, found.reach * self.page_size) if self.states is not None and self._cacheable_ids else -1
         st.cut = cut if tokens.processed_length < cut < len(tokens) else -1
+        st.end = st.end if st.end > tokens.processed_length else -1
 
     def _plan_alloc(
         self, st: HybridRequest, ctx: TextContext, scheduled: int | None = None, checkpoints: bool = True
@@ -241,6 +242,8 @@ class KVCacheCoordinator:
         processed = max(tokens.processed_length, hit * ps + tail)
         if cut <= processed or cut >= len(tokens):
             cut = -1
+        last = tokens._prompt_length - 1 if fresh and self.enable_prefix_caching else -1  # (a prompt-end cut: a hit
+        last = last if last > processed else -1  # leaves the last token to compute, so it resumes before it)
         drops, new = [], []
         for g, gm in enumerate(self.groups):
             have = st.tables[g].num_pages + len(hit_pages[g])
@@ -261,7 +264,7 @@ class KVCacheCoordinator:
             end = tokens.current_position if scheduled is None else min(tokens.current_position, processed + scheduled)
             new.append(max(0, required_pages(end + spec, ps) - have))
         rows = states.slots if fresh and states is not None else 0
-        return Plan(hit, hit_pages, new_keys, digest, drops, new, pins, checkpoint, rows, cut)
+        return Plan(hit, hit_pages, new_keys, digest, drops, new, pins, checkpoint, rows, cut, end=last)
 
     def _evictable_hits(self, plan: Plan) -> int:
         null, run = self.pool.null_block, plan.checkpoint.run if plan.checkpoint is not None else ()
@@ -273,7 +276,7 @@ class KVCacheCoordinator:
             st.hashes.extend(plan.new_keys)
             st.digest = plan.digest
         processed = tokens.processed_length
-        hit = plan.checkpoint
+        hit, st.context = plan.checkpoint, ctx  # (the context a failed tier load rewinds: `restart_holders`)
         if plan.hit > st.committed:
             for g, pages in enumerate(plan.hit_pages):
                 self.pool.touch(p for p in pages if p != null)
@@ -294,6 +297,8 @@ class KVCacheCoordinator:
         st.state_at = -1  # the forward pass moves the live state on
         if plan.cut > 0:
             st.cut = plan.cut
+        if plan.rows:
+            st.end = plan.end
         if processed == 0:
             ctx.cached_prefix_length = tokens.processed_length
         self._input_tokens += tokens.active_length
@@ -440,14 +445,9 @@ class KVCacheCoordinator:
             if n_commit > st.committed:
                 self._commit_groups(st, ctx, n_commit)
             if self.states is not None and st.tables[self._state_ids[0]].num_pages:
-                st.ctx = ctx
-                at = st.state_at = tokens._processed  # the step's forward pass left the live state here
-                if at == st.cut or at == tokens._prompt_length:  # a divergence point; a prompt's end
-                    shared = at == st.cut
-                    saved = save_state(self.states, self.hasher, st, ctx, at, self._decoder_ids, self._state_ids[0],
-                                       in_place=False, shared=shared)  # fmt: skip
-                    if saved is not None and not shared:
-                        st.superseded.append(saved)
+                st.ctx, st.state_at = ctx, tokens._processed  # the step's forward pass left the live state there
+                if st.cut > 0 or st.end > 0:  # a checkpoint is due (a decode step has none)
+                    save_due(self.states, self.hasher, st, ctx, self._decoder_ids, self._state_ids[0])
 
     def _commit_groups(self, st: HybridRequest, ctx: TextContext, n_commit: int) -> None:
         if n_commit > len(st.hashes):
@@ -540,7 +540,8 @@ class KVCacheCoordinator:
     @property
     def metrics(self) -> KVCacheMetrics:
         """Counters since the last `reset_metrics` and a snapshot of page usage."""
-        return KVCacheMetrics.of(self.pool, self._input_tokens, self._cache_tokens, self._evictions_at_reset)
+        usage = self.states.page_usage() if self.states is not None else (0, 0)  # (pages only checkpoints hold)
+        return KVCacheMetrics.of(self.pool, self._input_tokens, self._cache_tokens, self._evictions_at_reset, usage)
 
     def reset_metrics(self) -> None:
         """Zero the counters (page usage is a snapshot and stays)."""
@@ -561,11 +562,10 @@ class KVCacheCoordinator:
 
     # ----------------------------------------------------------------- state checkpoints
     def checkpoint_cut(self, request_id: RequestID) -> int | None:
-        """The token position at which `request_id` saves a state checkpoint because a cached prefix
-        diverges from it there (set by `alloc`; None when there is none). A scheduler ends a prefill
-        chunk exactly there so the state at that position exists; `step` then saves it."""
-        st = self._claimed(request_id)
-        return st.cut if st.cut > 0 else None
+        """The next token position at which `request_id` saves a state checkpoint (set by `alloc`; None when none):
+        where a cached prefix diverges from it, then before its prompt's last token (a hit leaves that token to
+        compute). A scheduler ends a prefill chunk exactly there; `step` then saves the state there."""
+        return self._claimed(request_id).next_cut
 
     def set_event_sink(self, emit: EventSink | None) -> None:
         """Send KV events to `emit` (None: stop): pages committed or evicted in each cacheable group and

@@ -18,6 +18,15 @@ class InsufficientBlocksError(Exception):
         self.needed = needed
         self.available = available
 
+    @classmethod
+    def for_request(
+        cls, request_id: object, needed: int, available: int, used: int, total: int
+    ) -> InsufficientBlocksError:
+        """The error of an `alloc` of `request_id` that needs `needed` pages where `available` can be had
+        (`used` of the pool's `total` pages are in use)."""
+        return cls(f"Cannot get {needed} free blocks for request {request_id!r} (only {available} available; "
+                   f"{used}/{total} blocks currently in use)", needed=needed, available=available)  # fmt: skip
+
 
 class MissingPagesError(RuntimeError, ValueError):
     """A request in a batch holds fewer pages than its tokens need: `alloc` was not called for it.

@@ -3,8 +3,8 @@
 For page i holding tokens ``t[i*P:(i+1)*P]`` (as little-endian int32)::
 
     d_i = H(H(int32_le(page_i)) || d_{i-1}),   d_{-1} = root
-    root = base                                  (no cache_salt)
-         = base XOR SHA256(utf8(cache_salt))     (with a cache_salt)
+    root = base                                  (cache_salt None: no salt)
+         = base XOR SHA256(utf8(cache_salt))     (a cache_salt: a non-empty str; "" is refused)
     base = seed                                  (no weights version: MAX's chain)
          = SHA256("pagedkv-weights" || 0x00 || seed || utf8(version))
 
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedkv.validation import check_int
+from pagedkv.validation import as_token_array, check_int
 
 BlockHash = bytes | int
 """A prefix-cache key: bytes (sha256, xxh3_128) or a signed 64-bit int (sha256_64)."""
@@ -51,13 +51,21 @@ __all__ = ["BlockHash", "PrefixHasher", "check_salt", "check_seed", "root_digest
 
 _ZERO_SEED = bytes(32)
 _LE_INT32 = np.dtype("<i4")
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
 def check_salt(cache_salt: object) -> None:
-    """TypeError unless `cache_salt` is a str or None."""
-    if cache_salt is not None and not isinstance(cache_salt, str):
+    """TypeError unless `cache_salt` is a str or None; ValueError for the empty str.
+
+    The one check of every entry a salt comes in by (contexts, engines, `hash_tokens`, `pin_prefix`,
+    the router's hashers and HTTP bodies). None means no salt; every non-empty str is a tenant of its
+    own. "" is refused rather than read as "no salt" or as one more tenant (as vLLM's server refuses it):
+    a caller that means no salt says None, so no tenant can land in the unsalted chain by accident."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str):
         raise TypeError(f"cache_salt={cache_salt!r} must be a str or None")
+    if not cache_salt:
+        raise ValueError("cache_salt='' is empty: give None for no salt, or a non-empty str (one per tenant)")
 
 
 def check_seed(name: str, seed: object) -> None:
@@ -67,11 +75,13 @@ def check_seed(name: str, seed: object) -> None:
 
 
 def root_digest(seed: bytes | None = None, cache_salt: str | None = None, version: str | None = None) -> bytes:
-    """The 32-byte parent of a chain's first page: base(seed, version) XOR SHA256(cache_salt)."""
+    """The 32-byte parent of a chain's first page: base(seed, version) XOR SHA256(cache_salt) (`cache_salt`
+    None: base alone; "" raises ValueError, see `check_salt`)."""
+    check_salt(cache_salt)
     base = seed or _ZERO_SEED
     if version:
         base = hashlib.sha256(b"pagedkv-weights\x00" + base + version.encode("utf-8")).digest()
-    if not cache_salt:
+    if cache_salt is None:
         return base
     salt = hashlib.sha256(cache_salt.encode("utf-8")).digest()
     return bytes(a ^ b for a, b in zip(base, salt, strict=True))
@@ -252,11 +262,7 @@ def hash_tokens(
     """The prefix-cache keys of a whole sequence: one per full page of ``tokens[:-1]``, as a manager with
     the same algorithm, seed, salt and weights version computes them (`seed` None: the deployment's
     default seed, as in `KVCacheParams`)."""
-    array = np.asarray(tokens)
-    if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
-        raise TypeError(f"tokens must be a 1-D integer sequence, got shape {array.shape} dtype {array.dtype}")
-    if array.size and (array.min() < _INT32_MIN or array.max() > _INT32_MAX):
-        raise ValueError(f"tokens hold values outside int32 [{_INT32_MIN}, {_INT32_MAX}]")
+    array = as_token_array(tokens, allow_empty=True)
     check_int("page_size", page_size, 1)
     check_seed("seed", seed)
     check_salt(cache_salt)

@@ -37,14 +37,22 @@ class HybridRequest:
     next_drop: int = FAR  # processed position at which some group drops its next page
     state_at: int = -1  # token position the live state rows hold (-1: being moved by a forward pass)
     cut: int = -1  # token position at which to save a state checkpoint (a cached prefix diverges there)
+    end: int = -1  # the prompt-end checkpoint's position, its last token excluded (-1: saved, passed or none)
     ctx: Any = None  # the context of its last step (its tokens key a checkpoint saved at release)
     superseded: list[Any] = field(default_factory=list)  # its prompt-end checkpoint, the one it resumed from
     root: bytes = b""  # the hash chain's root when its state rows were taken (a weights update changes it)
+    context: Any = None  # the context its last `alloc` was given (a failed tier load rewinds it: `restart_holders`)
 
     @property
     def num_pages(self) -> int:
         """Logical pages of the longest decoder table."""
         return max((t.num_pages for t in self.tables), default=0)
+
+    @property
+    def next_cut(self) -> int | None:
+        """The next position at which a state checkpoint is due (a divergence cut, then `end`), or None."""
+        cut = self.cut if self.cut > 0 else self.end
+        return cut if cut > 0 else None
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,7 @@ class Plan:
     checkpoint: Any = None  # the state checkpoint the hit resumes from (`checkpoints.Checkpoint`)
     rows: int = 0  # state rows to allocate (live and draft slots)
     cut: int = -1  # where a cached prefix diverges from this request (a checkpoint is saved there)
+    end: int = -1  # where its prompt-end checkpoint is saved: before the prompt's last token (-1: none)
     adopt: bool = False  # the hit's checkpoint row becomes the live row (rows are short, it is free)
 
 

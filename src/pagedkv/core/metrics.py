@@ -17,8 +17,11 @@ class KVCacheMetrics:
             `alloc` (decode steps count one each), after prefix-cache hits.
         cache_tokens: tokens served from the cache instead of computed.
         evictions: cached pages whose hash was dropped to make room.
-        used_pages / total_pages: device pages in use and in the pool (snapshot).
+        used_pages / total_pages: device pages running requests hold and in the pool (snapshot): an idle
+            manager uses 0, whatever it caches.
         cached_pages: device pages holding a prefix-cache hash (snapshot).
+        checkpoint_pages: device pages that hold only recurrent-state checkpoints (their runs of pages, and
+            tail pages no running request holds; snapshot). Evictable like cached pages: not used.
     """
 
     input_tokens: int = 0
@@ -27,17 +30,28 @@ class KVCacheMetrics:
     used_pages: int = 0
     total_pages: int = 0
     cached_pages: int = 0
+    checkpoint_pages: int = 0
 
     @classmethod
-    def of(cls, pool: Any, input_tokens: int, cache_tokens: int, evictions_at_reset: int) -> KVCacheMetrics:
-        """The counters of a manager over `pool` (a `BlockPool`), with its page usage now."""
+    def of(
+        cls,
+        pool: Any,
+        input_tokens: int,
+        cache_tokens: int,
+        evictions_at_reset: int,
+        checkpoints: tuple[int, int] = (0, 0),
+    ) -> KVCacheMetrics:
+        """The counters of a manager over `pool` (a `BlockPool`), with its page usage now; `checkpoints`: the
+        pages the pool counts as referenced that only checkpoints hold, and every page checkpoints take
+        (`StateCheckpoints.page_usage`)."""
         return cls(
             input_tokens=input_tokens,
             cache_tokens=cache_tokens,
             evictions=pool.num_evictions - evictions_at_reset,
-            used_pages=pool.num_used,
+            used_pages=pool.num_used - checkpoints[0],
             total_pages=pool.num_blocks,
             cached_pages=pool.num_cached,
+            checkpoint_pages=checkpoints[1],
         )
 
     @property

@@ -2,13 +2,16 @@
 
 `KVCacheCoordinator` calls these for models with state groups: `find_state_hit` at admission (the
 longest prefix with attention pages cached and a state checkpoint exactly at its end) and
-`save_state` when a checkpoint is due (a prompt's end, a divergence cut, a release after a completed
-step). The checkpoints themselves live in `checkpoints.StateCheckpoints`.
+`save_state` when a checkpoint is due (before a prompt's last token, a divergence cut, a release after a
+completed step). The checkpoints themselves live in `checkpoints.StateCheckpoints`. `release_request` gives a
+released request's pages and rows back; `restart_holders` does so for those a failed tier load left
+holding pages or a state row that are not what they claim, and keeps them claimed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -18,11 +21,11 @@ from pagedkv.core.context import TextContext
 from pagedkv.core.hashing import BlockHash, PrefixHasher
 from pagedkv.core.hybrid_state import HybridRequest, Plan, find_hit, release_order
 from pagedkv.core.managers import GroupManager
-from pagedkv.core.tables import more_keys
+from pagedkv.core.tables import RequestPages, more_keys
 
 __all__ = [
-    "find_state_hit", "held_for_release", "keeps", "plan_fits", "release_request", "release_rows", "save_state",
-    "wanted_run",
+    "find_state_hit", "held_for_release", "keeps", "plan_fits", "release_request", "release_rows", "save_due",
+    "save_state", "wanted_run",
 ]  # fmt: skip
 
 
@@ -78,6 +81,25 @@ def save_state(
     return states.save(live, parent, tail, pages, shared=shared)
 
 
+def save_due(
+    states: StateCheckpoints, hasher: PrefixHasher, st: HybridRequest, ctx: TextContext, token_groups: Sequence[int],
+    state_group: int,
+) -> None:  # fmt: skip
+    """After a step that left the request's live state at ``st.state_at``: save it when a checkpoint is due there
+    (`save_state`): the divergence cut ``st.cut`` (shared), the prompt-end position ``st.end`` (before the
+    prompt's last token), or, when a driver ended no chunk at ``st.end``, the prompt's end. A prompt-end
+    checkpoint joins ``st.superseded``. A cut the step went past without stopping is dropped."""
+    at, end = st.state_at, st.end
+    if at == st.cut or at == end or (end > 0 and at == ctx.tokens.prompt_length):
+        shared = at == st.cut
+        st.end = end if at < end else -1
+        saved = save_state(states, hasher, st, ctx, at, token_groups, state_group, in_place=False, shared=shared)
+        if saved is not None and not shared:
+            st.superseded.append(saved)
+    elif 0 < st.cut < at:
+        st.cut = -1
+
+
 def release_rows(
     states: StateCheckpoints, hasher: PrefixHasher, st: HybridRequest, request_id: Hashable,
     token_groups: Sequence[int], state_group: int, caching: bool,
@@ -118,6 +140,33 @@ def release_request(
         release_rows(states, hasher, st, request_id, tokens, state, caching)
         kept = set(keep)
         pool.free([p for p in pages if p in kept])  # (in release order: deepest evicted first)
+
+
+def restart_holders(reqs: dict[Any, HybridRequest], pages: set[int], rows: set[int], coordinator: Any) -> list[Any]:
+    """After tier loads whose device copy failed (into `pages`, already out of the prefix cache, or checkpoint
+    images into live state `rows`): every request of `reqs` (a `KVCacheCoordinator`'s) that holds one of them in
+    a token group, or resumes in one of those rows, gives back all it holds (`release_request`; its live state
+    is not what it claims, so no checkpoint is kept of it) and stays claimed, holding nothing, its context (the
+    one its last alloc served) back at the first token: table and context are consistent at once, and its
+    next `alloc` looks its prefix up again (device, tiers) as at admission. Returns the requests restarted."""
+    c = coordinator
+    state_groups = [g.group for g in c.groups if g.state_slots]
+    restarted = []
+    for rid, st in list(reqs.items()):
+        held = [t.pages[: t.num_pages].tolist() for t in st.tables]
+        if not any(rows.intersection(held[g][:1]) if g in state_groups else pages.intersection(held[g])
+                   for g in range(len(held))):  # fmt: skip
+            continue
+        st.state_at = -1
+        release_request(c.states, c.hasher, c.pool, c.groups, st, rid, c.enable_prefix_caching, c.tier_groups.decoder,
+                        c.tier_groups.state)  # fmt: skip
+        reqs[rid] = HybridRequest([RequestPages() for _ in c.groups], [g.kept_pages() for g in c.groups],
+                                  dummy=st.dummy, context=st.context)  # fmt: skip
+        if st.context is not None:
+            st.context.tokens.rewind_processing(st.context.tokens.processed_length)
+            st.context.cached_prefix_length = 0
+        restarted.append(rid)
+    return restarted
 
 
 def held_for_release(st: HybridRequest, token_groups: Sequence[int], page_size: int, null: int) -> list[int]:

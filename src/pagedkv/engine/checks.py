@@ -39,7 +39,7 @@ def check_request(
 ) -> np.ndarray:
     """The prompt as an int32 array; TypeError / ValueError for a request that cannot be served, and
     InsufficientBlocksError for one longer than the whole cache. Changes nothing."""
-    tokens = as_token_array(prompt)
+    tokens = as_token_array(prompt, name="prompt")
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(vocab, int) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
         bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from pagedkv.core.context import TextContext
+from pagedkv.core.hashing import check_salt
 from pagedkv.dtype import DType
 from pagedkv.engine.engine import GREEDY, LLMEngine
 from pagedkv.engine.request import Request
@@ -34,6 +35,7 @@ from pagedkv.hf.context import ATTENTION_NAME, ForwardContext
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheQuantizationConfig
 from pagedkv.runtime.inputs import MultiKVCacheInputs, RaggedKVCacheInputs, max_lengths_table
+from pagedkv.validation import INT32_MAX, as_token_array, check_int
 
 __all__ = ["EncoderDecoderEngine", "EncoderDecoderRequest", "encoder_salt"]
 
@@ -47,9 +49,10 @@ class EncoderDecoderRequest(Request):
 
 
 def encoder_salt(encoder_prompt: Sequence[int] | np.ndarray, cache_salt: str | None = None) -> str:
-    """The decoder's prefix-cache salt: the tenant salt (if any) and a SHA-256 of the encoder tokens."""
+    """The decoder's prefix-cache salt: the tenant salt (None: none; "" is refused by `check_salt` before) and
+    a SHA-256 of the encoder tokens."""
     digest = hashlib.sha256(np.asarray(encoder_prompt, dtype=np.int64).tobytes()).hexdigest()
-    return f"{cache_salt or ''}|encoder:{digest}"
+    return f"{'' if cache_salt is None else cache_salt}|encoder:{digest}"
 
 
 class EncoderDecoderEngine(LLMEngine):
@@ -79,9 +82,9 @@ class EncoderDecoderEngine(LLMEngine):
         config: Any = model.config
         ed.install_position_hook(model)
         param = next(model.parameters())
-        heads = config.decoder_attention_heads
+        pages = self._group_params[self.cross_group]  # the layout the decoder's modules compute (`ed.kv_layout`)
         self._cache = ed.decoder_cache(
-            config.decoder_layers, heads, config.d_model // heads, dtype=param.dtype, device=self.device
+            pages.num_layers, pages.n_kv_heads, pages.head_dim, dtype=param.dtype, device=self.device
         )
         self._encoder_placeholder = torch.zeros((1, 1, config.d_model), dtype=param.dtype, device=self.device)
         start = getattr(getattr(model, "generation_config", None), "decoder_start_token_id", None)
@@ -113,8 +116,8 @@ class EncoderDecoderEngine(LLMEngine):
         if (num_pages is None) == (memory_budget is None):
             raise ValueError("give exactly one of num_pages or memory_budget")
         param = next(model.parameters())
-        layout = ed.kv_layout(
-            model.config, page_size=page_size, dtype=param.dtype, device=param.device,
+        layout = ed.kv_layout(  # the K/V shape of the modules, not the config's
+            model.config, page_size=page_size, dtype=param.dtype, device=param.device, model=model,
             enable_prefix_caching=enable_prefix_caching, kv_dtype=kv_dtype, quantization=quantization,
         )  # fmt: skip
         model.set_attn_implementation(register())  # type: ignore[operator]
@@ -147,13 +150,15 @@ class EncoderDecoderEngine(LLMEngine):
         already begins with it (as transformers' `generate(decoder_input_ids=...)` does), or from the start
         token alone. `output` is what follows the decoder prompt.
         """
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be at least 1")
-        encoder = np.asarray(prompt, dtype=np.int64)
-        if encoder.ndim != 1 or encoder.size == 0:
-            raise ValueError(f"the encoder prompt must be a non-empty 1-D token sequence, got shape {encoder.shape}")
+        check_int("max_new_tokens", max_new_tokens, 1, INT32_MAX)
+        encoder = as_token_array(prompt, name="prompt").astype(np.int64)  # (the token checks of every entry)
+        check_salt(cache_salt)
         start = self.decoder_start_token_id
-        decoder = [start] if decoder_prompt is None else [int(t) for t in decoder_prompt]
+        decoder = (
+            [start]
+            if decoder_prompt is None
+            else as_token_array(decoder_prompt, allow_empty=True, name="decoder_prompt").tolist()
+        )
         if not decoder or decoder[0] != start:
             decoder.insert(0, start)
         rid = self._next_id

@@ -13,8 +13,9 @@ One step = schedule -> forward -> sample -> update -> commit -> release:
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,8 @@ from pagedkv.state_params import StateCacheParams
 from pagedkv.validation import INT32_MAX, check_int, check_weights_version
 
 __all__ = ["LLMEngine", "EngineStats"]
+
+log = logging.getLogger(__name__)
 
 GREEDY = SamplingParams()
 
@@ -150,7 +153,13 @@ class LLMEngine:
 
         Any decoder whose attention goes through transformers' `AttentionInterface` (full, sliding,
         chunked, sinks, softcap; DeepSeek V2/V3 MLA); others raise ValueError before the model changes
-        (`pagedkv.hf.support`; docs/MODELS.md lists the tested ones). Mixed
+        (`pagedkv.hf.support`; docs/MODELS.md lists the tested ones). The page layout (each layer's K/V
+        heads, head size, window or chunk) is what the attention modules compute, observed in one 2-token
+        forward that leaves the model as it was (`pagedkv.hf.support.check_model`), never config attributes
+        the model does not use; modules that contradict each other (a ``sliding_window`` passed to attention
+        that the layer's mask does not keep), and a config whose ``sliding_window`` / ``layer_types`` give a
+        layer another window than its attention keeps (transformers' own cache would keep the config's),
+        raise ValueError naming both values. Mixed
         attention types get one page table per group over one pool. Recurrent mixers (`pagedkv.hf.mixers`:
         Mamba, Mamba2, gated delta net, short conv) keep their state in state slots of that pool; the
         attention page then grows from `page_size` until a page holds a layer's state (vLLM's rule; the
@@ -259,6 +268,34 @@ class LLMEngine:
         """True while requests wait or run."""
         return self.scheduler.has_unfinished()
 
+    def abort_request(self, request_id: int | Iterable[int]) -> list[Request]:
+        """End requests now (vLLM's ``abort_request``): one id (`Request.request_id`) or an iterable of ids.
+
+        Each request found waiting, running or swapped out leaves the engine and gives back everything it
+        holds (device pages, host rows, what the queue kept for it); its `finish_reason` becomes
+        ``"abort"`` and its `output` keeps what it generated. Ids of requests that already finished, or
+        that this engine never issued, are ignored (as vLLM does: a client may abort a request that
+        just ended). Returns the requests aborted, in the order given. Every id is checked first:
+        TypeError unless an int (bool excluded), and then nothing changes. Call it between steps
+        (the engine is single-threaded).
+        """
+        ids = [request_id] if not isinstance(request_id, Iterable) else list(request_id)
+        for rid in ids:
+            if type(rid) is not int:
+                raise TypeError(f"request_id={rid!r} must be an int (a Request.request_id) or an iterable of them")
+        sched = self.scheduler
+        live = {r.request_id: r for r in (*sched.running, *sched.waiting)}
+        return self._abort([r for r in (live.pop(rid, None) for rid in ids) if r is not None])
+
+    def _abort(self, requests: Iterable[Request]) -> list[Request]:
+        """Drop each request still in the engine (`Scheduler.drop`) and mark it aborted; returns those."""
+        aborted = []
+        for request in requests:
+            if self.scheduler.drop(request):
+                request.ended = "abort"
+                aborted.append(request)
+        return aborted
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -273,13 +310,21 @@ class LLMEngine:
 
         Outputs stop after `max_new_tokens` or at a stop token (the model's
         EOS by default), which is included, as in transformers' `generate`. Every prompt is checked
-        before any is queued (`pagedkv.engine.checks`).
+        before any is queued (`pagedkv.engine.checks`). A prompt whose sampling fails (see `step`) ends
+        early: its list holds the tokens generated before the failure (a warning is logged; `add_request`
+        gives the `Request`, whose `error` says why), and the other prompts are served in full. When
+        `step` raises, the requests of this call are aborted (`abort_request`) before the error
+        propagates, so the engine holds none of them afterwards.
         """
         check_prompts(prompts)
         checked = [check_request(self.model, self.manager, p, max_new_tokens, sampling, stop_token_ids, cache_salt)
                    for p in prompts]  # fmt: skip
         requests = [self._enqueue(t, max_new_tokens, sampling, stop_token_ids, cache_salt) for t in checked]
-        self.run(progress=progress)
+        try:
+            self.run(progress=progress)
+        except BaseException:
+            self._abort(requests)
+            raise
         return [r.output for r in requests]
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> None:
@@ -331,6 +376,11 @@ class LLMEngine:
         raises on a model with recurrent state, the step's layers may already have updated some state
         slots in place: every running request is released and computed again from its tokens at the
         next step (attention pages are rewritten identically, so attention-only models just retry).
+
+        A request whose own sampling raises (non-finite probabilities from NaN or inf logits, a failing
+        generator: `sample_batch`) fails alone: it leaves the engine with its pages released,
+        ``finish_reason == "error"`` and the exception in `Request.error` (a warning is logged), and it
+        is returned with the finished ones; the other requests of the step get their tokens as usual.
         """
         if not self.scheduler.has_unfinished():
             return []
@@ -342,11 +392,12 @@ class LLMEngine:
                 f"{len(self.scheduler.running)} run (pool: {self.manager.num_free_blocks()} of "
                 f"{self.manager.total_num_pages} pages free)"
             )
+        errors: dict[int, Exception] = {}  # batch index -> why that request's sampling failed
         try:
             logits = self._forward(batch)  # [B, V]: logits of each request's last window token
             tokens = sample_batch(  # (mid-prompt chunks: no token yet)
                 logits, [r.sampling for r in batch], [r.generator for r in batch],
-                [not r.ctx.tokens.is_chunked for r in batch],
+                [not r.ctx.tokens.is_chunked for r in batch], errors,
             )  # fmt: skip
         except BaseException:
             if self._state_groups:  # layers may have moved their states on: recompute every request's state
@@ -355,8 +406,10 @@ class LLMEngine:
         finished = []
         for i, (request, token) in enumerate(zip(batch, tokens, strict=True)):
             ctx = request.ctx
-            if token is None:  # mid-prompt chunk: no token yet
-                ctx.update(0)
+            if token is None:
+                if errors and i in errors:  # failed alone: left out of this step's commit, released below
+                    continue
+                ctx.update(0)  # mid-prompt chunk: no token yet
                 continue
             if request.first_token_time is None:
                 request.first_token_time = time.perf_counter()
@@ -366,11 +419,23 @@ class LLMEngine:
             self.stats.generated_tokens += 1
             if request.finished:
                 finished.append(request)
-        self.manager.step([[r.ctx for r in batch]])
+        if errors:
+            self.manager.step([[r.ctx for i, r in enumerate(batch) if i not in errors]])
+        else:
+            self.manager.step([[r.ctx for r in batch]])
         for request in finished:
             self.scheduler.finish(request)
+        for i, error in errors.items():
+            finished.append(self._fail(batch[i], error))
         self.stats.steps += 1
         return finished
+
+    def _fail(self, request: Request, error: Exception) -> Request:
+        """End `request` alone with `error` (its pages released); the engine goes on with the others."""
+        self.scheduler.drop(request)
+        request.ended, request.error = "error", error
+        log.warning("request %r failed and was ended alone: %s: %s", request.request_id, type(error).__name__, error)
+        return request
 
     def _check_attention(self) -> None:
         """RuntimeError when the model's attention implementation is no longer the engine's."""
@@ -431,7 +496,8 @@ class LLMEngine:
             "prefill_tokens_computed": sched.admitted_tokens - sched.cached_tokens,
             "preemptions": sched.preemptions, "swaps": sched.swaps, "cache_hit_rate": metrics.cache_hit_rate,
             "used_pages": metrics.used_pages, "total_pages": metrics.total_pages,
-            "page_size": self.manager.page_size, **self._state_summary(),
+            "checkpoint_pages": metrics.checkpoint_pages, "page_size": self.manager.page_size,
+            **self._state_summary(),
         }  # fmt: skip
 
     def _state_summary(self) -> dict[str, int]:

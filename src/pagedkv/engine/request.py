@@ -20,6 +20,12 @@ class Request:
     `ctx.tokens` always holds prompt + generated tokens; after a preemption
     the context is reset (everything becomes prompt) but `prompt_len` keeps
     the original split, so `output` is unaffected.
+
+    A request ends in one of four ways (`finish_reason`, vLLM's names): ``"length"`` (`max_new_tokens`
+    generated), ``"stop"`` (a stop token, kept in `output`), ``"abort"`` (`LLMEngine.abort_request`) or
+    ``"error"`` (its own sampling raised, e.g. non-finite probabilities: `error` holds the exception; the
+    other requests of its step got their tokens). An aborted or failed request holds no page any more and
+    `output` keeps what it generated before.
     """
 
     ctx: TextContext
@@ -34,6 +40,8 @@ class Request:
     preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache, summed over admissions
     restarted_at: int = -1  # context length at which the scheduler last restarted it, alone and stuck
+    ended: str | None = None  # "abort" or "error" once it was ended early (see `finish_reason`)
+    error: Exception | None = None  # why it failed ("error"), else None
 
     @property
     def request_id(self) -> object:
@@ -47,11 +55,23 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        """True after `max_new_tokens` tokens or a stop token."""
+        """True after `max_new_tokens` tokens or a stop token, or once aborted or failed."""
+        if self.ended is not None:
+            return True
         generated = len(self.ctx.tokens) - self.prompt_len
         if generated >= self.max_new_tokens:
             return True
         return generated > 0 and int(self.ctx.tokens.all[-1]) in self.stop_token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``"length"``, ``"stop"``, ``"abort"`` or ``"error"`` once finished (see the class docstring); None before."""
+        if self.ended is not None:
+            return self.ended
+        generated = len(self.ctx.tokens) - self.prompt_len
+        if generated >= self.max_new_tokens:
+            return "length"
+        return "stop" if generated > 0 and int(self.ctx.tokens.all[-1]) in self.stop_token_ids else None
 
     @property
     def ttft(self) -> float | None:

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "sample", "sample_batch"]
+__all__ = ["MIN_TEMPERATURE", "SamplingParams", "sample", "sample_batch"]
+
+log = logging.getLogger(__name__)
+
+MIN_TEMPERATURE = 1e-2
+"""The smallest temperature sampled with (vLLM's rule): a smaller positive one is raised to it, with a warning.
+Logits divided by a tiny temperature overflow to inf and the probabilities become NaN; 0 is greedy."""
 
 
 @dataclass(frozen=True)
@@ -17,7 +24,8 @@ class SamplingParams:
 
     Attributes:
         temperature: 0 means greedy (argmax; every other field is then ignored); otherwise logits
-            are divided by it.
+            are divided by it. A positive temperature below `MIN_TEMPERATURE` (0.01) is raised to it
+            with a logged warning, as vLLM does (``SamplingParams(temperature=1e-40).temperature == 0.01``).
         top_p: keep the smallest set of most likely tokens whose probability reaches top_p, in (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 (vLLM's two spellings) keep all of them.
         min_p: keep the tokens whose probability is at least min_p times the most likely one's, in
@@ -55,6 +63,10 @@ class SamplingParams:
             raise TypeError(f"seed={self.seed!r} must be an int or None")
         if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
             raise ValueError(f"seed={self.seed} must fit in 64 bits")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            log.warning("temperature=%r is below %r, where logits / temperature overflow to inf; raised to %r",
+                        self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)  # fmt: skip
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)  # (frozen: set once, here)
 
     @property
     def greedy(self) -> bool:
@@ -63,7 +75,10 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from logits [V] (float32). With a `generator`, the draw runs on its device."""
+    """One token id from logits [V] (float32). With a `generator`, the draw runs on its device.
+
+    Raises RuntimeError (torch's multinomial check) when the probabilities are not finite (NaN or inf
+    logits), and whatever the generator raises."""
     if params.greedy:
         return int(torch.argmax(logits))
     if generator is not None and logits.device != generator.device:
@@ -87,11 +102,16 @@ def sample_batch(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     active: Sequence[bool],
+    errors: dict[int, Exception] | None = None,
 ) -> list[int | None]:
     """One token per row of logits [B, V] whose `active` entry is True (None for the others), as `sample`
     draws it from that row in float32: the greedy rows with one reduction over them all in float32 (one
     host read for the batch; `torch.max`'s index is the first maximum, as `torch.argmax`'s, and on CPU
-    several times cheaper), the others one by one."""
+    several times cheaper), the others one by one.
+
+    `errors`: when given, a row whose draw raises (`sample`: non-finite probabilities, a generator that
+    fails) gets None and its exception under its index, and the other rows are drawn as usual; without
+    it the first such exception propagates."""
     out: list[int | None] = [None] * len(params)
     greedy = [i for i, (p, on) in enumerate(zip(params, active, strict=True)) if on and p.greedy]
     if greedy:
@@ -100,5 +120,11 @@ def sample_batch(
             out[i] = token
     for i, (p, generator, on) in enumerate(zip(params, generators, active, strict=True)):
         if on and not p.greedy:
-            out[i] = sample(logits[i].float(), p, generator)
+            if errors is None:
+                out[i] = sample(logits[i].float(), p, generator)
+                continue
+            try:
+                out[i] = sample(logits[i].float(), p, generator)
+            except Exception as exc:  # this row's request fails alone (`LLMEngine.step`)
+                errors[i] = exc
     return out

@@ -232,3 +232,19 @@ class Scheduler:
         """Release a finished request's pages (after `step` committed them)."""
         self.running.remove(request)
         self.manager.release(request.request_id)
+
+    def drop(self, request: Request) -> bool:
+        """Take `request` out of the running set or the queue and give back all it holds: its device pages,
+        the host rows of a swapped-out request, what `expect` kept for it. False (nothing changes) when it
+        is in neither (finished, or already dropped)."""
+        if any(r is request for r in self.running):
+            self.running.remove(request)
+        elif any(r is request for r in self.waiting):
+            self.waiting.remove(request)
+            self.manager.unexpect(request.request_id)
+        else:
+            return False
+        rid = request.request_id
+        if self.manager.contains(rid) or self.manager.is_swapped(rid):
+            self.manager.release(rid)
+        return True

@@ -26,15 +26,25 @@ from typing import Any
 
 import torch
 
-__all__ = ["WRAPPED_TYPES", "install", "kv_shape", "slopes", "wrapped_type"]
+__all__ = ["WRAPPED_TYPES", "install", "kv_shape", "observe", "slopes", "wrapped_type"]
+
+
+_QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
 class _Spec:
-    qkv: Callable[[Any, torch.Tensor, dict[str, Any]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    split: Callable[[Any, torch.Tensor], _QKV]  # hidden [B, T, hidden] -> Q, K, V [B, H(_kv), T, D], unrotated
     scale: Callable[[Any], float]
     output: Callable[[Any, torch.Tensor, tuple[Any, ...], dict[str, Any]], Any]
     attention: str  # class name of the attention modules
+    projection: str  # the fused Q/K/V projection (its in_features: the hidden size)
+    rotate: Callable[[Any, _QKV, dict[str, Any]], _QKV] | None = None  # rotary position of the layer's call
+
+    def qkv(self, module: Any, hidden: torch.Tensor, kwargs: dict[str, Any]) -> _QKV:
+        """Q, K, V [B, H(_kv), T, D] of `module` for `hidden` [B, T, hidden], as its forward computes them."""
+        qkv = self.split(module, hidden)
+        return qkv if self.rotate is None else self.rotate(module, qkv, kwargs)
 
 
 def _heads(x: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
@@ -42,7 +52,7 @@ def _heads(x: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
     return x.reshape(x.shape[0], x.shape[1], heads, dim).transpose(1, 2)
 
 
-def _bloom_qkv(m: Any, hidden: torch.Tensor, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bloom_split(m: Any, hidden: torch.Tensor) -> _QKV:
     q, k, v = m._reshape(m.query_key_value(hidden))  # [B, H, T, D] each
     return q, k, v
 
@@ -54,7 +64,7 @@ def _bloom_output(m: Any, out: torch.Tensor, args: tuple[Any, ...], kwargs: dict
     return dropout_add(m.dense(out), residual, m.hidden_dropout, m.training), None
 
 
-def _mpt_qkv(m: Any, hidden: torch.Tensor, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _mpt_split(m: Any, hidden: torch.Tensor) -> _QKV:
     mixed = m.Wqkv(hidden)
     if m.clip_qkv:
         mixed = mixed.clamp(min=-m.clip_qkv, max=m.clip_qkv)
@@ -62,9 +72,7 @@ def _mpt_qkv(m: Any, hidden: torch.Tensor, kwargs: dict[str, Any]) -> tuple[torc
     return _heads(q, m.n_heads, m.head_dim), _heads(k, m.n_heads, m.head_dim), _heads(v, m.n_heads, m.head_dim)
 
 
-def _falcon_qkv(
-    m: Any, hidden: torch.Tensor, kwargs: dict[str, Any]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _falcon_split(m: Any, hidden: torch.Tensor) -> _QKV:
     fused = m.query_key_value(hidden)
     b, t, _ = fused.shape
     if m.new_decoder_architecture:  # K/V heads stored once, not broadcast to the query heads
@@ -72,7 +80,11 @@ def _falcon_qkv(
         q, k, v = qkv[:, :, :, :-2].flatten(2, 3), qkv[:, :, :, -2], qkv[:, :, :, -1]
     else:
         q, k, v = m._split_heads(fused)  # [B, T, H(_kv), D]
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(_kv), T, D]
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(_kv), T, D]
+
+
+def _falcon_rotate(m: Any, qkv: _QKV, kwargs: dict[str, Any]) -> _QKV:
+    q, k, v = qkv
     if kwargs.get("alibi") is None:  # rotary Falcon: cos/sin of the engine's position_ids
         from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
 
@@ -89,10 +101,12 @@ def _dense_output(name: str) -> Callable[[Any, torch.Tensor, tuple[Any, ...], di
 
 
 _SPECS: dict[str, _Spec] = {
-    "bloom": _Spec(_bloom_qkv, lambda m: float(m.inv_norm_factor), _bloom_output, "BloomAttention"),
-    "mpt": _Spec(_mpt_qkv, lambda m: float(m.softmax_scale), _dense_output("out_proj"), "MptAttention"),
-    "falcon": _Spec(_falcon_qkv, lambda m: float(m.inv_norm_factor), _dense_output("dense"), "FalconAttention"),
-}
+    "bloom": _Spec(_bloom_split, lambda m: float(m.inv_norm_factor), _bloom_output, "BloomAttention",
+                   "query_key_value"),
+    "mpt": _Spec(_mpt_split, lambda m: float(m.softmax_scale), _dense_output("out_proj"), "MptAttention", "Wqkv"),
+    "falcon": _Spec(_falcon_split, lambda m: float(m.inv_norm_factor), _dense_output("dense"), "FalconAttention",
+                    "query_key_value", _falcon_rotate),
+}  # fmt: skip
 WRAPPED_TYPES = tuple(_SPECS)
 
 
@@ -104,7 +118,8 @@ def wrapped_type(config: Any) -> str | None:
 
 
 def kv_shape(config: Any) -> tuple[int, int]:
-    """(K/V heads, head size) the pages hold for an ALiBi model."""
+    """(K/V heads, head size) the pages hold for an ALiBi model, as its config describes it (`observe` has what
+    the modules compute)."""
     heads = config.num_attention_heads
     head = config.hidden_size // heads
     if config.model_type == "falcon":
@@ -112,6 +127,24 @@ def kv_shape(config: Any) -> tuple[int, int]:
             return config.num_kv_heads, head
         return (1 if config.multi_query else heads), head
     return heads, head
+
+
+def observe(model: torch.nn.Module) -> dict[int, tuple[tuple[int, int], tuple[int, int], tuple[int, int]]]:
+    """Layer index -> the (heads, size) of the query, key and value each wrapped attention module of `model`
+    computes (what its wrapper stores and attends with), from its own projection of one zero hidden state.
+    Reads the weights only; changes nothing."""
+    spec = _SPECS[str(wrapped_type(model.config))]
+    out = {}
+    with torch.inference_mode():
+        for position, module in enumerate(m for m in model.modules() if type(m).__name__ == spec.attention):
+            projection = getattr(module, spec.projection)
+            weight = projection.weight
+            hidden = torch.zeros((1, 1, projection.in_features), dtype=weight.dtype, device=weight.device)
+            q, k, v = spec.split(module, hidden)  # [1, H(_kv), 1, D]
+            idx = getattr(module, "layer_idx", None)
+            layer = idx if isinstance(idx, int) else position
+            out[layer] = ((q.shape[1], q.shape[3]), (k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]))
+    return out
 
 
 def slopes(model: torch.nn.Module) -> torch.Tensor | None:

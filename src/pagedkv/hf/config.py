@@ -1,10 +1,14 @@
 """KV cache layout of a transformers model: params (one cache, or one group per attention type) and a layer map.
 
-Layer types come from the config: ``layer_types`` ("full_attention",
-"sliding_attention", "chunked_attention") where the model has them, else
-every layer is sliding when ``sliding_window`` is set (Mistral, Mixtral,
-Phi-3, Starcoder2) and full otherwise; DeepSeek V2/V3 cache one MLA latent (``kv_lora_rank +
-qk_rope_head_dim``) per token. Mixed types are grouped as vLLM's hybrid
+With the model (`LLMEngine.from_hf`), each attention layer's type
+("full_attention", "sliding_attention", "chunked_attention"), window and K/V
+shape are what its module computes (`pagedkv.hf.support.check_model`, observed
+in one tiny forward: `pagedkv.hf.probe`), never read from config attributes
+the model may not use; DeepSeek V2/V3 cache one MLA latent (``kv_lora_rank +
+qk_rope_head_dim``) per token. From a config alone they come from
+``layer_types`` where the config has them, else every layer is sliding when
+``sliding_window`` is set (Mistral, Mixtral, Phi-3, Starcoder2) and full
+otherwise, and ``num_key_value_heads`` / ``head_dim``. Mixed types are grouped as vLLM's hybrid
 allocator groups them (`pagedkv.interface.group_layer_specs`): each group is
 a child ``group{i}`` of a `MultiKVCacheParams`, and `layer_map[i]` says which
 group and which layer slot of it layer i uses. Layers of one type whose K/V
@@ -26,7 +30,8 @@ from typing import Any
 import torch
 
 from pagedkv.dtype import DeviceRef, DType
-from pagedkv.hf.support import check_config, check_model, kv_shapes, state_modules
+from pagedkv.hf import alibi
+from pagedkv.hf.support import ATTENTION_KINDS, AttentionLayer, check_config, check_model, kv_shapes, state_modules
 from pagedkv.interface.bridge import params_from_kv_cache_config
 from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec, group_layer_specs
 from pagedkv.multi_params import MultiKVCacheParams
@@ -75,19 +80,21 @@ class KVLayout:
         return len(self.params.leaves())
 
 
-def _layer_spec(config: Any, kind: str, page_size: int, dtype: DType, shape: tuple[int, int]) -> AttentionSpec:
-    if config.model_type in _MLA:
-        head = config.kv_lora_rank + config.qk_rope_head_dim
-        return MLAAttentionSpec(block_size=page_size, num_kv_heads=1, head_size=head, dtype=dtype)
-    kv_heads, head_size = shape
-    common: dict[str, Any] = dict(block_size=page_size, num_kv_heads=kv_heads, head_size=head_size, dtype=dtype)
-    if kind == "sliding_attention":
-        return SlidingWindowSpec(**common, sliding_window=config.sliding_window)
-    if kind == "chunked_attention":
-        return ChunkedLocalAttentionSpec(**common, attention_chunk_size=config.attention_chunk_size)
-    if kind == "full_attention":
+def _layer_spec(layer: AttentionLayer, page_size: int, dtype: DType, mla: bool) -> AttentionSpec:
+    if mla:
+        return MLAAttentionSpec(block_size=page_size, num_kv_heads=1, head_size=layer.head_size, dtype=dtype)
+    common: dict[str, Any] = dict(block_size=page_size, num_kv_heads=layer.kv_heads, head_size=layer.head_size,
+                                  dtype=dtype)  # fmt: skip
+    if layer.kind == "full_attention":
         return FullAttentionSpec(**common)
-    raise ValueError(f"layer type {kind!r} is not supported")
+    if layer.kind not in ("sliding_attention", "chunked_attention"):
+        raise ValueError(f"layer type {layer.kind!r} is not supported")
+    if layer.window is None:
+        what = "sliding_window" if layer.kind == "sliding_attention" else "attention_chunk_size"
+        raise ValueError(f"a {layer.kind!r} layer needs {what} (the config sets none)")
+    if layer.kind == "sliding_attention":
+        return SlidingWindowSpec(**common, sliding_window=layer.window)
+    return ChunkedLocalAttentionSpec(**common, attention_chunk_size=layer.window)
 
 
 def _layer_kinds(config: Any) -> list[str]:
@@ -96,6 +103,26 @@ def _layer_kinds(config: Any) -> list[str]:
         return list(kinds)
     sliding = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+
+
+def _config_layers(config: Any) -> dict[int, AttentionLayer]:
+    """The attention layers as the config alone describes them (`kv_layout` without a model)."""
+    kinds = _layer_kinds(config)
+    if any(k not in ATTENTION_KINDS for k in kinds):
+        raise ValueError(f"model_type={config.model_type!r} has recurrent-state layers: pass model= to "
+                         "kv_layout so their state shapes come from the modules")  # fmt: skip
+    heads = getattr(config, "num_attention_heads", 1)
+    if config.model_type in _MLA:
+        latent = config.kv_lora_rank + config.qk_rope_head_dim
+        return {i: AttentionLayer(1, latent, heads) for i in range(len(kinds))}
+    windows = {"sliding_attention": getattr(config, "sliding_window", None),
+               "chunked_attention": getattr(config, "attention_chunk_size", None)}  # fmt: skip
+    shapes = kv_shapes(config) if alibi.wrapped_type(config) is None else [alibi.kv_shape(config)] * len(kinds)
+    if len(kinds) != len(shapes):
+        raise ValueError(f"model_type={config.model_type!r}: layer_types has {len(kinds)} entries for "
+                         f"{len(shapes)} layers")  # fmt: skip
+    return {i: AttentionLayer(kv, head, heads, kind, windows.get(kind)) for i, (kind, (kv, head)) in
+            enumerate(zip(kinds, shapes, strict=True))}  # fmt: skip
 
 
 def kv_layout(
@@ -112,33 +139,29 @@ def kv_layout(
     """The `KVLayout` of a decoder-only model config.
 
     ValueError (`pagedkv.hf.support.check_config`) for a config no paged decoder layout holds. With
-    `model` (as `LLMEngine.from_hf` passes it), its modules are checked first and the K/V shape is the
-    one they pass to attention (`pagedkv.hf.support.check_model`); without, it comes from the config.
-    Layers are grouped by attention type and K/V shape, so a group's params carry its own ``n_kv_heads``
-    and ``head_dim`` (Gemma 4: sliding and full layers differ); all groups share one pool of page ids.
+    `model` (as `LLMEngine.from_hf` passes it), the layout is what its modules compute
+    (`pagedkv.hf.support.check_model`: the K/V heads and head size each attention layer stores, its window or
+    chunk, observed in one 2-token forward that leaves the model as it was), so config attributes the model
+    does not use change nothing; without, everything comes from the config (``layer_types``, else
+    ``sliding_window`` on every layer; ``num_key_value_heads``, ``head_dim``). Layers are grouped by attention
+    type and K/V shape, so a group's params carry its own ``n_kv_heads`` and ``head_dim`` (Gemma 4: sliding
+    and full layers differ); all groups share one pool of page ids.
     """
     check_config(config)
     storage = kv_dtype or DType.from_torch(dtype)
-    kinds = _layer_kinds(config)
+    layers = _config_layers(config) if model is None else check_model(model)
+    mla = config.model_type in _MLA
     specs: dict[str, KVCacheSpec] = {}
-    if model is None:
-        if any(k not in ("full_attention", "sliding_attention", "chunked_attention") for k in kinds):
-            raise ValueError(f"model_type={config.model_type!r} has recurrent-state layers: pass model= to "
-                             "kv_layout so their state shapes come from the modules")  # fmt: skip
-        shapes = dict(enumerate(kv_shapes(config)))
-    else:
-        shapes = check_model(model)
-    for i, shape in shapes.items():  # attention layers first: their groups come first
-        kind = "full_attention" if kinds[i] == "hybrid" else kinds[i]  # Falcon-H1: attention beside a mixer
-        specs[str(i)] = _layer_spec(config, kind, page_size, storage, shape)
+    for i, layer in layers.items():  # attention layers first: their groups come first
+        specs[str(i)] = _layer_spec(layer, page_size, storage, mla)
     spec_tokens = int(params_kwargs.get("num_eagle_speculative_tokens", 0) or 0)
     for i, spec in (_state_specs(model, dtype, page_size, spec_tokens) if model is not None else {}).items():
         specs[f"state{i}"] = spec
     groups = group_layer_specs(specs, by_shape=True)  # (state rows have their own pool: no page growth)
     devices = [device_ref(device or torch.device("cpu"))]
-    extra: dict[str, Any] = dict(
-        kvcache_quant_config=quantization, num_q_heads=getattr(config, "num_attention_heads", None)
-    )
+    q_heads = {layer.q_heads for layer in layers.values()}  # the modules' (a config may say otherwise)
+    num_q_heads = q_heads.pop() if len(q_heads) == 1 else getattr(config, "num_attention_heads", None)
+    extra: dict[str, Any] = dict(kvcache_quant_config=quantization, num_q_heads=num_q_heads)
     extra.update(params_kwargs)
     layer_map = {int(n): (g, j) for g, (names, _) in enumerate(groups) for j, n in enumerate(names) if n.isdigit()}
     state_map = {

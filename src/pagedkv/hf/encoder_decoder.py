@@ -36,12 +36,13 @@ from pagedkv import ops
 from pagedkv.dtype import DType
 from pagedkv.hf.config import KVLayout, device_ref
 from pagedkv.hf.context import ATTENTION_NAME, ForwardContext, GroupContext
+from pagedkv.hf.support import AttentionLayer, check_cache_windows
 from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams, KVCacheQuantizationConfig
 from pagedkv.runtime.inputs import RaggedKVCacheInputs, max_lengths_table
 
 __all__ = [
-    "SUPPORTED", "SELF_GROUP", "CROSS_GROUP", "kv_layout", "encoder_attention", "cross_attention", "decoder_cache",
+    "SUPPORTED", "SELF_GROUP", "CROSS_GROUP", "kv_layout", "module_shape", "encoder_attention", "cross_attention", "decoder_cache",
     "install_position_hook", "decoder_positions", "encode", "write_cross_kv", "cross_group",
 ]  # fmt: skip
 
@@ -65,24 +66,53 @@ def kv_layout(
     device: torch.device | None = None,
     kv_dtype: DType | None = None,
     quantization: KVCacheQuantizationConfig | None = None,
+    model: torch.nn.Module | None = None,
     **params_kwargs: Any,
 ) -> KVLayout:
     """The two-group layout of a BART config; decoder layer i -> (SELF_GROUP, i), its cross slot is i too.
 
-    `params_kwargs` go to both groups (e.g. ``enable_prefix_caching=True``). ValueError for another model type.
+    With `model` (as `EncoderDecoderEngine.from_hf` passes it), the K/V heads, head size and layer count are
+    its decoder attention modules' (`module_shape`), not the config's, and a config ``sliding_window`` /
+    ``layer_types`` that gives a decoder layer a window is refused (`pagedkv.hf.support.check_cache_windows`). `params_kwargs` go to both groups (e.g.
+    ``enable_prefix_caching=True``). ValueError for another model type.
     """
     _check_supported(config)
     heads = config.decoder_attention_heads
+    (kv_heads, head), layers = (heads, config.d_model // heads), config.decoder_layers
+    if model is not None:
+        (heads, kv_heads, head), layers = module_shape(model), len(_decoder(model).layers)
+        # the decoder's self-attention keeps every earlier key: a config window would be kept by transformers'
+        # own cache only (its generate() would then differ from the model's forward): refused
+        check_cache_windows(config, {i: AttentionLayer(kv_heads, head, heads) for i in range(layers)})
     common: dict[str, Any] = dict(
-        dtype=kv_dtype or DType.from_torch(dtype), n_kv_heads=heads, head_dim=config.d_model // heads,
-        num_layers=config.decoder_layers, devices=[device_ref(device or torch.device("cpu"))], page_size=page_size,
-        num_q_heads=heads, kvcache_quant_config=quantization,
+        dtype=kv_dtype or DType.from_torch(dtype), n_kv_heads=kv_heads, head_dim=head, num_layers=layers,
+        devices=[device_ref(device or torch.device("cpu"))], page_size=page_size, num_q_heads=heads,
+        kvcache_quant_config=quantization,
     )  # fmt: skip
     common.update(params_kwargs)
     params = MultiKVCacheParams(
         {"self": KVCacheParams(**common), "cross": KVCacheParams(**common, is_cross_attention=True)}
     )
-    return KVLayout(params, {i: (SELF_GROUP, i) for i in range(config.decoder_layers)})
+    return KVLayout(params, {i: (SELF_GROUP, i) for i in range(layers)})
+
+
+def module_shape(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(query heads, K/V heads, head size) of every decoder self- and cross-attention module of `model`: K and V
+    are its ``k_proj`` / ``v_proj`` outputs in heads of ``head_dim``. ValueError naming both when two modules
+    (or a module's K and V) disagree."""
+    found: dict[tuple[int, int, int], str] = {}
+    for i, layer in enumerate(_decoder(model).layers):
+        for kind in ("self_attn", "encoder_attn"):
+            attn, where = getattr(layer, kind), f"decoder layer {i} {kind}"
+            head = int(attn.head_dim)
+            k_heads, v_heads = attn.k_proj.out_features // head, attn.v_proj.out_features // head
+            if k_heads != v_heads:
+                raise ValueError(f"{where} computes {k_heads} key heads but {v_heads} value heads of {head}")
+            found.setdefault((int(attn.num_heads), k_heads, head), where)
+    if len(found) != 1:
+        shown = ", ".join(f"{where}: {shape}" for shape, where in found.items())
+        raise ValueError(f"decoder attention modules disagree on (query heads, K/V heads, head size): {shown}")
+    return next(iter(found))
 
 
 # ----------------------------------------------------------------- attention functions

@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache
 
 from pagedkv.hf.context import ForwardContext, GroupContext
 
-__all__ = ["PagedLatentCache", "mla_attention", "model_kwargs"]
+__all__ = ["LatentProbe", "PagedLatentCache", "mla_attention", "model_kwargs"]
 
 
 def model_kwargs(context: ForwardContext) -> dict[str, Any]:
@@ -87,6 +87,25 @@ class PagedLatentCache(Cache):
         group, slot = _mla_group(self.context, layer_idx)
         latent = torch.cat((key_states[0, 0], value_states[0, 0]), dim=-1)  # [T, r + R]
         group.step.store(latent.unsqueeze(1), None, slot)  # [T, 1, r + R] into the pages
+        return key_states, value_states
+
+
+class LatentProbe(Cache):
+    """A transformers `Cache` that records the width of the latents each MLA layer caches (`pagedkv.hf.probe`).
+
+    ``update(k_nope [B, 1, T, r], k_pe [B, 1, T, R], layer_idx)`` sets ``seen[layer_idx] = (1, r + R)`` (what
+    `PagedLatentCache` stores per token) and returns the latents unchanged; it keeps no tensors.
+    """
+
+    def __init__(self, seen: dict[int, tuple[int, int]]) -> None:
+        super().__init__(layers=[])
+        self.seen = seen
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record the layer's latent width; returns the latents unchanged."""
+        self.seen.setdefault(int(layer_idx), (1, key_states.shape[-1] + value_states.shape[-1]))
         return key_states, value_states
 
 

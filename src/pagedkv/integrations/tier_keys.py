@@ -19,6 +19,7 @@ and the limit, never a secret):
     redis_retry_s         number in (0, 86400]   after a Redis error, Redis is skipped this long (5.0)
     disk_offload_dir      str                    directory of the disk tier (made absolute)
     disk_offload_max_gb   number in (0, 2**20]   size cap of the disk tier (50)
+    disk_timeout_s        number in (0, 3600]    a disk read with no progress this long is a miss (5.0)
     tier_hmac_key         str of >= 16 bytes     signs every page, required on every load
     tier_hmac_key_file    path                   that key in a file (<= 4096 bytes, a final newline dropped)
     model_id              str                    the model's name in every page's layout fingerprint
@@ -45,7 +46,7 @@ MAX_KEY_FILE_BYTES = 4096
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 TIER_KEYS = frozenset({
     "redis_url", "redis_cluster_nodes", "redis_key_prefix", "redis_username", "redis_password", "redis_ttl_s",
-    "redis_timeout_s", "redis_retry_s", "disk_offload_dir", "disk_offload_max_gb", "tier_hmac_key",
+    "redis_timeout_s", "redis_retry_s", "disk_offload_dir", "disk_offload_max_gb", "disk_timeout_s", "tier_hmac_key",
     "tier_hmac_key_file", "model_id", "io_threads",
 })  # fmt: skip
 REDIS_ONLY = ("redis_key_prefix", "redis_username", "redis_password", "redis_ttl_s", "redis_timeout_s", "redis_retry_s")
@@ -187,5 +188,6 @@ class ExtraConfig:
             redis_timeout_s=self.number("redis_timeout_s", 1.0, 0.0, 3600.0),
             redis_retry_s=self.number("redis_retry_s", 5.0, 0.0, 86400.0),
             disk_offload_dir=self.disk_dir(), disk_offload_max_gb=self.number("disk_offload_max_gb", 50.0, 0.0, 2.0**20),
+            disk_timeout_s=self.number("disk_timeout_s", 5.0, 0.0, 3600.0),
             tier_hmac_key=self.hmac_key(), io_threads=self.integer("io_threads", 4, 1, MAX_IO_THREADS),
         )  # fmt: skip

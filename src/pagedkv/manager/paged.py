@@ -349,9 +349,9 @@ class PagedKVCacheManager:
         return len(bm.states) if isinstance(bm, KVCacheCoordinator) and bm.states is not None else 0
 
     def checkpoint_cut(self, request_id: RequestID, replica_idx: int = 0) -> int | None:
-        """The token position at which the request saves a recurrent-state checkpoint (a cached prefix
-        diverges from it there), or None; a scheduler ends a prefill chunk exactly there. Always None
-        for models without recurrent state."""
+        """The next token position at which the request saves a recurrent-state checkpoint (where a cached
+        prefix diverges from it, then before its prompt's last token), or None; a scheduler ends a prefill
+        chunk exactly there. Always None for models without recurrent state."""
         bm = self._bm(replica_idx)
         return bm.checkpoint_cut(request_id) if isinstance(bm, KVCacheCoordinator) else None
 
@@ -395,7 +395,7 @@ class PagedKVCacheManager:
 
         Pages `alloc` took from a tier below are filled on the tensor side, before the forward: this call
         runs the staged copies first (as `runtime_inputs` does), so every page the tables name holds its
-        bytes when it returns. `LoadCopyError` if a copy failed (those pages left the prefix cache)."""
+        bytes when it returns. `LoadCopyError` if a copy failed (see `Tiering.complete_loads`: alloc again)."""
         self._bm(replica_idx)
         self.tiers.complete_loads()
         return self._buffers[replica_idx]
@@ -410,8 +410,8 @@ class PagedKVCacheManager:
         return bm.get_req_blocks(request_id)
 
     def num_free_blocks(self, replica_idx: int = 0) -> int:
-        """Pages an allocation can take (fresh plus evictable cached)."""
-        return self._bm(replica_idx).pool.num_free
+        """Pages no running request holds: fresh plus evictable cached (state checkpoints' pages included)."""
+        return self.total_num_blocks(replica_idx) - self.get_num_used_pages(replica_idx)
 
     def total_num_blocks(self, replica_idx: int = 0) -> int:
         """Pages in the replica's pool (null page excluded)."""
@@ -420,14 +420,14 @@ class PagedKVCacheManager:
     get_num_pages = total_num_blocks
 
     def get_num_used_pages(self, replica_idx: int = 0) -> int:
-        """Pages referenced by requests."""
-        return self._bm(replica_idx).pool.num_used
+        """Pages running requests hold (not those only cached prefixes or state checkpoints hold: idle, 0)."""
+        return self._bm(replica_idx).metrics.used_pages
 
     def get_pct_used_blocks_after_allocation(self, ctx: TextContext, replica_idx: int = 0) -> float:
         """Fraction of the pool in use if `alloc(ctx)` ran now (capped at 1.0). No side effects."""
         bm = self._bm(replica_idx)
         new_pages, evictable_hits = bm.pages_needed(ctx)
-        return min(1.0, (bm.pool.num_used + new_pages + evictable_hits) / bm.pool.num_blocks)
+        return min(1.0, (self.get_num_used_pages(replica_idx) + new_pages + evictable_hits) / bm.pool.num_blocks)
 
     def get_metrics(self, replica_idx: int = 0) -> KVCacheMetrics:
         """One replica's counters and page usage."""

@@ -114,6 +114,7 @@ class CoordinatorTiers:
         if states is not None:
             assert bm.states is not None
             bm.states.saved = []
+            states.on_failed_loads = self._forget_unloaded_states
 
     def key(self, block_hash: BlockHash, group: int) -> bytes:
         return tier_key(block_hash, group, len(self.groups))
@@ -200,12 +201,20 @@ class CoordinatorTiers:
                 self.states.offload([image], [entry.key], head)  # type: ignore[arg-type]
 
     def _forget_unloaded(self, pages: list[int], keys: list[BlockHash]) -> None:
-        """Pages whose copy failed leave the device prefix cache (see `Tiering._forget_unloaded`)."""
-        pool = self.bm.pool
+        """Pages whose copy failed leave the device prefix cache (those it still names for the hash they
+        were loaded for), and every request holding one restarts (`KVCacheCoordinator.restart_holders`)."""
+        pool, bad = self.bm.pool, []
         for page, key in zip(pages, keys, strict=True):
             block_hash, group = self._loaded.get(key_bytes(key), (None, 0))
             if block_hash is not None and pool.cached_page(block_hash, group) == page:
-                pool.uncache([page])
+                bad.append(page)
+        pool.uncache(bad)
+        self.bm.restart_holders(bad)
+
+    def _forget_unloaded_states(self, rows: list[int], keys: list[BlockHash]) -> None:
+        """Checkpoint images whose copy into a live state row (and its tail pages) failed: the request
+        resuming from one restarts (`KVCacheCoordinator.restart_holders`)."""
+        self.bm.restart_holders((), rows)
 
     @property
     def connectors(self) -> list[KVConnector]:

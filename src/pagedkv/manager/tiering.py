@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, KVEventBatch, KVEventQueue
 from pagedkv.core.hashing import BlockHash
@@ -141,7 +142,9 @@ class Tiering:
         took from a tier holds its bytes. Call before reading device pages outside `runtime_inputs`.
 
         A failed copy raises `LoadCopyError` after its pages left the device prefix cache (no later
-        request hits them); the requests holding them must be released and recomputed.
+        request hits them) and every request holding one was rolled back (`BlockManager.drop_failed_loads`,
+        `KVCacheCoordinator.restart_holders`): every table and context is consistent, and the next `alloc`
+        of each such request computes (or loads again) what it lost.
         """
         failed: Exception | None = None
         for connector in self.all_connectors:  # every replica's copies run (and unpin), even after a failure
@@ -170,15 +173,14 @@ class Tiering:
             out.update(link.states.stats)
         return out
 
-    def _forget_unloaded(self, bm: ReplicaBookkeeping) -> Callable[[list[int], list[BlockHash]], None]:
-        """The connector's `on_failed_loads` for `bm`: pages whose copy failed leave the prefix cache
-        (`BlockPool.uncache`, with `BlockRemoved` events), unless the page no longer caches that hash
-        (evicted, or merged into another copy, since the load). A request that holds one keeps it,
-        unhashed: its table fails `check_integrity` until the caller releases it and recomputes."""
+    @staticmethod
+    def _forget_unloaded(bm: BlockManager) -> Callable[[list[int], list[BlockHash]], None]:
+        """The connector's `on_failed_loads` for `bm` (a `BlockManager`): pages whose copy failed leave the
+        prefix cache, and every request holding one is rolled back to before it (`drop_failed_loads`): each
+        live request stays consistent, and its next `alloc` computes what the failed pages were to hold."""
 
         def forget(pages: list[int], hashes: list[BlockHash]) -> None:
-            pool = bm.pool
-            pool.uncache([page for page, key in zip(pages, hashes, strict=True) if pool.cached_page(key) == page])
+            bm.drop_failed_loads(pages, hashes)
 
         return forget
 

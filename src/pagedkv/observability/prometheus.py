@@ -6,9 +6,10 @@ recorded in between, and nothing runs when nobody scrapes); register it on a
 over HTTP. Every series has labels ``replica`` (the data-parallel replica) and,
 where it applies, ``tier``: "device" (the page pool), "host", "disk", "redis".
 
-Gauges: ``pagedkv_pages_{used,free,cached,capacity}`` (device: referenced, free incl.
-evictable cached, holding a prefix hash, pool size; host and disk: rows holding KV,
-empty rows, same as used, size), ``pagedkv_hit_rate`` (device: cached tokens / prompt
+Gauges: ``pagedkv_pages_{used,free,cached,capacity}`` (device: held by running requests, free
+incl. evictable cached, holding a prefix hash, pool size; host and disk: rows holding KV,
+empty rows, same as used, size), ``pagedkv_pages_checkpoint`` (device: pages holding only
+recurrent-state checkpoints, evictable: counted in free, not in used), ``pagedkv_hit_rate`` (device: cached tokens / prompt
 tokens, tier hits included; tiers: pages loaded / pages looked up).
 Counters (``_total``): ``pagedkv_prefix_cache_{queries,hits}`` (tokens),
 ``pagedkv_evictions``, ``pagedkv_tier_{lookups,hits,errors,refused,skipped_writes}`` (pages or
@@ -85,9 +86,10 @@ class PagedKVCollector:
         gauge, counter = core.GaugeMetricFamily, core.CounterMetricFamily
         pages = {
             kind: gauge(f"pagedkv_pages_{kind}", doc, labels=["tier", "replica"])
-            for kind, doc in (("used", "Pages in use (device: referenced; tiers: holding KV)."),
+            for kind, doc in (("used", "Pages in use (device: held by running requests; tiers: holding KV)."),
                               ("free", "Pages an allocation or a write can take (device: incl. evictable cached)."),
-                              ("cached", "Pages holding a prefix-cache key."), ("capacity", "Pages in the tier."))
+                              ("cached", "Pages holding a prefix-cache key."), ("capacity", "Pages in the tier."),
+                              ("checkpoint", "Device pages holding only recurrent-state checkpoints (evictable)."))
         }  # fmt: skip
         hit_rate = gauge("pagedkv_hit_rate", "Device: cached / prompt tokens; tiers: pages loaded / looked up.",
                          labels=["tier", "replica"])  # fmt: skip
@@ -109,8 +111,9 @@ class PagedKVCollector:
         for r in range(mgr.num_replicas):
             rep = str(r)
             metrics: KVCacheMetrics = mgr.get_metrics(r)
-            for kind, value in (("used", mgr.get_num_used_pages(r)), ("free", mgr.num_free_blocks(r)),
-                                ("cached", metrics.cached_pages), ("capacity", mgr.total_num_blocks(r))):  # fmt: skip
+            for kind, value in (("used", metrics.used_pages), ("free", metrics.total_pages - metrics.used_pages),
+                                ("cached", metrics.cached_pages), ("capacity", metrics.total_pages),
+                                ("checkpoint", metrics.checkpoint_pages)):  # fmt: skip
                 pages[kind].add_metric(["device", rep], value)
             hit_rate.add_metric(["device", rep], metrics.cache_hit_rate)
             queries.add_metric([rep], metrics.prompt_tokens)

@@ -10,7 +10,7 @@ imported only when the tier that needs it is built.
     create_state_connector  the connector of a state model's checkpoint images
     HostTier           pinned host rows, LRU by content hash
     LowerTier          the contract of a tier below host memory
-    DiskTier           one checked file per page, LRU under a byte cap
+    DiskTier           one checked file per page, LRU under a byte cap (the directory's, across processes)
     RedisTier          pages under content-hash keys in Redis / Valkey (standalone or cluster)
     PageMover          whole pages between device buffers and host rows
     StateImageMover    state checkpoints (state row + tail pages) between device buffers and host rows

@@ -1,42 +1,61 @@
 """`DiskTier`: pages as files in a bucketed directory, LRU under a size cap, warm across restarts.
 
-    <disk_offload_dir>/<layout fingerprint>/<first hash byte>/<content hash>.page
+    <disk_offload_dir>/<namespace>/<first hash byte>/<content hash>.page
+    <disk_offload_dir>/<namespace>/pages.journal
 
-One file per page (header + row, `offload.format`), written to a temporary
-name and renamed into place, so a reader never sees a torn page: a crash
-leaves either the old state or a complete file (and a file the kernel lost
-after a power cut fails its checksum and is refused). Why files, not one
-preallocated file: rename makes each page atomic without a journal, another
-process (or a restarted one) finds a page by its name alone, deleting frees
-disk space at once, and pages of another model or layout live in their own
-subdirectory instead of corrupting a shared slot map. The index is rebuilt
-at start by listing the directory (LRU order = file modification time).
+The namespace is the layout fingerprint, and for signed pages the HMAC key's
+public id (`format.tier_namespace`): engines of another layout or key never
+open each other's pages. One file per page (header + row, `offload.format`),
+written to a temporary name and renamed into place, so a reader never sees a
+torn page: a crash leaves either the old state or a complete file (and a file
+the kernel lost after a power cut fails its checksum and is refused). Why
+files, not one preallocated file: rename makes each page atomic without a
+journal of page bytes, another process (or a restarted one) finds a page by
+its name alone, deleting frees disk space at once, and pages of another model
+or layout live in their own subdirectory instead of corrupting a shared slot map.
+
+The size cap is the directory's: every process writing it keeps one LRU index
+through `pages.journal` (`offload.disk_index`), rebuilt against the files at
+start. Reads run on reader threads and are bounded in time (`offload.disk_io`):
+a read that makes no progress for `timeout_s` is abandoned, a miss. Only a
+regular file is a page: a FIFO, device, socket, directory or link at a page's
+name is refused without being opened for reading (no read can block on it).
+
+A page this reader refuses (not a regular file, wrong size, header, layout,
+key or tag) is a miss for it, counted and logged, and left where it is: a
+reader never deletes a page. What removes it: the size cap's LRU (a refused
+page is never used, so it ages out), `reset`, and a write of the same page by
+this tier after it computed it again (a page it refused is written over; any
+other page already stored is skipped).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pagedkv.core.events import BlockRemoved, EventSink
 from pagedkv.core.tier_stats import TierStats
+from pagedkv.offload.disk_index import DiskIndex, scan
+from pagedkv.offload.disk_io import CHUNK, ReadBatch, head, read_all, scatter, write_all
 from pagedkv.offload.format import (
     HEADER_SIZE,
-    PageHeader,
     check_header,
     check_page,
     decode_header,
     encode_header,
+    key_id,
     payload_parts,
     seal,
+    tier_namespace,
 )
 from pagedkv.offload.tier import Done, LowerTier, OnceLogger, Row, check_framed
 
@@ -44,32 +63,33 @@ __all__ = ["DiskTier"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW  # a planted file or link at the name is not written
-_READ = os.O_RDONLY | _NOFOLLOW  # a page that is a symbolic link is refused (ELOOP), never followed
+# a page that is a symbolic link is refused (ELOOP), never followed; opening a FIFO never waits for a writer
+_READ = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
+MAX_REFUSED = 4096  # refused pages remembered (so the same bad file is counted once, and written over)
+FLUSH_USES, FLUSH_S = 1024, 1.0  # reads noted before the journal records them: at most so many, so long
+NOT_REGULAR = "not a regular file (a FIFO, device, socket or directory); it is not read"
 
 
-def _entries(path: str) -> list[os.DirEntry[str]]:
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except OSError:
-        return []
-
-
-def _is_hex(text: str) -> bool:
-    return bool(text) and all(c in "0123456789abcdef" for c in text)
+def _identity(info: os.stat_result) -> tuple[int, ...]:
+    """What tells one version of a file from another."""
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_mode
 
 
 class DiskTier(LowerTier):
-    """Pages of one layout (`fingerprint`) under `directory`, at most `max_bytes` of them."""
+    """Pages of one layout (`fingerprint`) under `directory`, at most `max_bytes` of them, whatever the number
+    of processes writing it. Reads that make no progress for `timeout_s` seconds are misses."""
 
     name = "disk"
     medium = "DISK"
 
     def __init__(
         self, directory: str | os.PathLike[str], row_bytes: int, max_bytes: int, fingerprint: bytes, hash_algo: str,
-        *, threads: int = 4, emit: EventSink | None = None, mac_key: bytes | None = None,
+        *, threads: int = 4, emit: EventSink | None = None, mac_key: bytes | None = None, timeout_s: float = 5.0,
     ) -> None:  # fmt: skip
-        self.root = Path(directory) / fingerprint.hex()
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
+        self.namespace = tier_namespace(fingerprint, mac_key)
+        self.root = Path(directory) / self.namespace
         self.root.mkdir(parents=True, exist_ok=True)
         self.row_bytes = row_bytes
         self.file_bytes = HEADER_SIZE + row_bytes
@@ -77,16 +97,23 @@ class DiskTier(LowerTier):
         self.fingerprint = fingerprint
         self.hash_algo = hash_algo
         self.mac_key = mac_key  # sign every write, require a signature on every read
+        self.key_id = None if mac_key is None else key_id(mac_key)
+        self.timeout_s = timeout_s
         self.emit = emit
         self.stats = TierStats("disk")
         self._log = OnceLogger("disk")
         self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, None] = OrderedDict()  # pages on disk, oldest first
         self._writing: set[bytes] = set()
+        self._flushing = False  # a task recording reads in the journal is queued
+        self._flushed = 0.0  # when the last one ran (time.monotonic())
+        self._refused: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # key -> the refused file's identity
         self._threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pagedkv-disk")
+        self._readers = ThreadPoolExecutor(threads, thread_name_prefix="pagedkv-disk-read")
+        self._scratch = threading.local()  # each reader thread's chunk buffer
         self._inflight: set[object] = set()
         self._root = str(self.root)
+        self._index = DiskIndex(self._root, self.capacity, timeout_s, self._index_error)
         self._scan()
 
     # ----------------------------------------------------------------- layout
@@ -99,30 +126,19 @@ class DiskTier(LowerTier):
         return f"{self._root}/{key[0]:02x}/{key.hex()}.page"
 
     def _scan(self) -> None:
-        """Rebuild the index from the files a previous process left (and drop unfinished ones).
+        """Rebuild the index from the files a previous process left (`disk_index.scan`), against the journal."""
+        try:
+            self._index.reconcile(scan(self._root, self.file_bytes))
+        except OSError as exc:
+            self._index_error("start", f"disk tier: indexing {self._root} failed ({exc}); pages are indexed as "
+                                       "they are written and read")  # fmt: skip
 
-        Only names this tier writes are touched: two-hex-digit buckets, ``<hex>.page`` pages and
-        ``<hex>.<thread>.tmp`` leftovers; symbolic links (to a directory or file elsewhere) are
-        neither followed, indexed nor deleted, so nothing outside the directory is ever read or removed.
-        """
-        found: list[tuple[float, bytes]] = []
-        for bucket in _entries(self._root):
-            if len(bucket.name) != 2 or not _is_hex(bucket.name) or not bucket.is_dir(follow_symlinks=False):
-                continue
-            for entry in _entries(bucket.path):
-                stem, _, suffix = entry.name.partition(".")
-                if not _is_hex(stem) or not entry.is_file(follow_symlinks=False):
-                    continue
-                if suffix == "page":
-                    with contextlib.suppress(OSError):
-                        stat = entry.stat(follow_symlinks=False)
-                        if stat.st_size == self.file_bytes:
-                            found.append((stat.st_mtime, bytes.fromhex(stem)))
-                elif suffix.endswith(".tmp") and suffix[:-4].isdigit():
-                    with contextlib.suppress(OSError):
-                        os.unlink(entry.path)  # an interrupted write's temporary file
-        for _, key in sorted(found):
-            self._index[key] = None
+    def _index_error(self, kind: str, message: str) -> None:
+        """Log (once per kind) a problem of the index; count it unless it is a journal write (that only
+        happens with page writes failing beside it, which are counted)."""
+        if kind != "journal-write":
+            self.stats.add(errors=1)
+        self._log.error(kind, message)
 
     @property
     def num_pages(self) -> int:
@@ -130,115 +146,213 @@ class DiskTier(LowerTier):
 
     @property
     def num_used_pages(self) -> int:
+        """Pages of the directory (every process's), as of this process's last look at the journal."""
         return len(self._index)
 
     # ----------------------------------------------------------------- reads
     def fetch(self, keys: Sequence[bytes], dest: Sequence[Row]) -> int:
-        """Up to `threads` readers (the calling thread one of them) take every `threads`-th page, in
-        order; a miss or refusal at page i stops every reader at i (pages before it are all read)."""
+        """Up to `threads` reader runs take every `threads`-th page, in order; a miss or refusal at page i stops
+        every run at i (pages before it are all read). Waits until they are done or no page was read for
+        `timeout_s` (then the pages not read are misses, and nothing writes into `dest` after this returns)."""
         total = len(keys)
         if total != len(dest):
             raise ValueError(f"{len(keys)} keys but {len(dest)} destination rows")
-        stop = [total]  # the lowest page index that failed
-
-        def reader(first: int, step: int) -> None:
-            for i in range(first, total, step):
-                if i >= stop[0]:
-                    return
-                if not self._read(keys[i], dest[i]):
-                    with self._lock:
-                        stop[0] = min(stop[0], i)
-                    return
-
-        step = max(1, min(self._threads, total))
-        futures = [(first, self._pool.submit(reader, first, step)) for first in range(1, step)]
-        try:
-            reader(0, step)
-        finally:
-            for first, future in futures:  # nothing may write into `dest` after we return
-                if future.cancel():  # not started (the pool is busy writing): read its pages here
-                    reader(first, step)
-                else:
-                    future.result()
-        count = stop[0]
-        with self._lock:
-            for key in keys[:count]:
-                if key in self._index:
-                    self._index.move_to_end(key)
-                else:
-                    self._index[key] = None  # written by another process sharing the directory
+        if not total:
+            return 0
+        runs = max(1, min(self._threads, total))
+        batch = ReadBatch(total, runs, stop_at_miss=True)
+        for run in range(runs):
+            self._readers.submit(self._read_run, batch, keys, dest, run)
+        if not batch.wait(self.timeout_s):
+            self._timed_out("read", batch.prefix(), total)
+        count = batch.prefix()
+        if count:
+            self._note_uses(keys[:count])
         return count
 
+    def _note_uses(self, keys: Sequence[bytes]) -> None:
+        """Make `keys` the most recently used: noted in memory now, recorded in the journal by the next write, or
+        by a task on a writer thread once many are noted or a second passed (nothing waits for it here)."""
+        pending = self._index.used(keys)
+        now = time.monotonic()
+        with self._lock:
+            flush = not self._flushing and (pending >= FLUSH_USES or now - self._flushed >= FLUSH_S)
+            self._flushing = self._flushing or flush
+        if flush:
+            future = self._pool.submit(self._flush_uses)
+            self._inflight.add(future)
+            future.add_done_callback(self._inflight.discard)
+
+    def _flush_uses(self) -> None:
+        with self._lock:
+            self._flushing, self._flushed = False, time.monotonic()
+        try:
+            self._index.flush()
+        except OSError as exc:
+            self._index_error("index", f"disk tier: recording reads in {self._root} failed ({exc})")
+
+    def _timed_out(self, what: str, done: int, total: int) -> None:
+        self.stats.add(errors=1)
+        self._log.error("timeout", f"disk tier: a {what} of {self._root} made no progress for {self.timeout_s}s "
+                                   f"({done} of {total} pages done); the rest are misses, serving continues")  # fmt: skip
+
+    def _read_run(self, batch: ReadBatch, keys: Sequence[bytes], dest: Sequence[Row], run: int) -> None:
+        try:
+            for i in range(run, batch.total, batch.runs):
+                if not batch.live(i):
+                    return
+                ok = self._read(keys[i], dest[i], batch, run)
+                batch.finish(i, ok)
+                if not ok:
+                    return
+        finally:
+            batch.run_ended()
+
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """One `stat` per key (another process sharing the directory may have written it)."""
-        return [os.path.isfile(self._file(key)) for key in keys]
+        """One `stat` per key, on a reader thread (another process sharing the directory may have written it):
+        a regular file that this tier has not refused as it is (nothing is read: `fetch` may still refuse it).
+        False for keys not looked at within `timeout_s`."""
+
+        def there(key: bytes) -> bool:
+            try:
+                info = os.stat(self._file(key), follow_symlinks=False)
+            except OSError:
+                return False
+            return stat.S_ISREG(info.st_mode) and self._refused.get(key) != _identity(info)
+
+        return self._each(keys, there, "lookup")
 
     def probe(self, keys: Sequence[bytes]) -> list[bool]:
-        """Per key: the file is there, its size is one page and its header passes `check_header`; a
-        page that fails is refused (counted, logged once, deleted). One open and a 112-byte read each."""
-        found = []
-        for key in keys:
-            path = self._file(key)
+        """Per key: the file is a regular file of one page's size whose header passes `check_header`; one open and
+        a 112-byte read each, on a reader thread. A page that fails is refused (counted, logged once, left in
+        place); False for keys not looked at within `timeout_s`."""
+        return self._each(keys, self._probe_one, "lookup")
+
+    def _each(self, keys: Sequence[bytes], check: Callable[[bytes], bool], what: str) -> list[bool]:
+        """`check(key)` for every key on a reader thread, bounded by `timeout_s` without progress."""
+        if not keys:
+            return []
+        batch = ReadBatch(len(keys), 1, stop_at_miss=False)
+
+        def run() -> None:
             try:
-                fd = os.open(path, _READ)
-            except FileNotFoundError:
-                found.append(False)
-                continue
-            except OSError as exc:
-                found.append(False if exc.errno != errno.ELOOP else self._refuse(key, path, "a symbolic link"))
-                continue
-            try:
-                raw, size = os.pread(fd, HEADER_SIZE, 0), os.fstat(fd).st_size
-            except OSError as exc:
-                found.append(self._read_failed(path, exc))
-                continue
+                for i, key in enumerate(keys):
+                    if batch.abandoned:
+                        return
+                    batch.finish(i, check(key))
             finally:
-                os.close(fd)
-            reason = check_header(decode_header(raw), key, self.fingerprint, self.hash_algo, self.row_bytes,
-                                  self.mac_key, size)  # fmt: skip
-            found.append(True if reason is None else self._refuse(key, path, reason))
-        return found
+                batch.run_ended()
 
-    def _refuse(self, key: bytes, path: str, reason: str) -> bool:
-        """Count, log (once) and delete a refused page; False."""
-        self.stats.add(refused=1)
-        self._log.error("refused", f"disk tier: refused {path}: {reason}; the page is recomputed")
-        self._delete([key])
-        return False
+        self._readers.submit(run)
+        if not batch.wait(self.timeout_s):
+            self._timed_out(what, sum(batch.results()), len(keys))
+        return batch.results()
 
-    def _read(self, key: bytes, row: Row) -> bool:
-        parts = payload_parts(row)
+    def _probe_one(self, key: bytes) -> bool:
         path = self._file(key)
-        header = bytearray(HEADER_SIZE)
+        opened = self._open(key, path)
+        if isinstance(opened, bool):
+            return opened
+        fd, info = opened
+        try:
+            raw = os.pread(fd, HEADER_SIZE, 0)
+        except OSError as exc:
+            return self._read_failed(path, exc)
+        finally:
+            os.close(fd)
+        reason = check_header(decode_header(raw), key, self.fingerprint, self.hash_algo, self.row_bytes, self.mac_key,
+                              info.st_size)  # fmt: skip
+        return True if reason is None else self._refuse(key, path, reason, info)
+
+    def _open(self, key: bytes, path: str) -> tuple[int, os.stat_result] | bool:
+        """(fd, fstat) of page `key`'s file if it is a regular file of one page's size that this tier has not
+        refused as it is; otherwise False (a miss: missing, or refused: counted once per version of the file)."""
         try:
             fd = os.open(path, _READ)
         except FileNotFoundError:
-            with self._lock:
-                self._index.pop(key, None)  # deleted behind the index: forget it, so it is written again
             return False
         except OSError as exc:
-            if exc.errno != errno.ELOOP:
+            if exc.errno not in (errno.ELOOP, errno.ENXIO):  # ENXIO: a socket
                 return self._read_failed(path, exc)
-            decoded, got = None, 0  # a symbolic link planted at a page's name: refused and removed below
-        else:
-            decoded, got = self._read_fd(fd, header, parts)
-        payload = parts if got == self.row_bytes else _head(parts, got)
-        reason = check_page(decoded, payload, key, self.fingerprint, self.hash_algo, self.row_bytes, self.mac_key)
-        if reason is None and got == self.row_bytes:
-            return True
-        return self._refuse(key, path, reason or "short file")
-
-    def _read_fd(self, fd: int, header: bytearray, parts: list[memoryview]) -> tuple[PageHeader | None, int]:
-        """(header, payload bytes read) of an open page file; closes `fd`."""
+            try:
+                info = os.stat(path, follow_symlinks=False)
+            except OSError:
+                return False
+            return self._refuse(key, path, "a symbolic link" if exc.errno == errno.ELOOP else NOT_REGULAR, info)
         try:
-            got = _read_all(fd, [header, *parts]) - HEADER_SIZE  # one preadv for header and row
+            info = os.fstat(fd)
         except OSError as exc:
-            self.stats.add(errors=1)
-            self._log.error("read", f"disk tier: reading a page failed ({exc}); the page is recomputed")
-            return None, 0
+            os.close(fd)
+            return self._read_failed(path, exc)
+        reason = None
+        if not stat.S_ISREG(info.st_mode):
+            reason = NOT_REGULAR
+        elif info.st_size != self.file_bytes:
+            reason = f"stored page of {info.st_size} bytes, expected {self.file_bytes} (truncated or padded)"
+        refused = self._refused.get(key)
+        if reason is not None or (refused is not None and refused == _identity(info)):
+            os.close(fd)
+            return False if reason is None else self._refuse(key, path, reason, info)
+        return fd, info
+
+    def _refuse(self, key: bytes, path: str, reason: str, info: os.stat_result) -> bool:
+        """Count and log (once) a refused page, and remember it (the same file is not counted again; this tier
+        writes over it when it stores the page); the file stays where it is. False."""
+        identity = _identity(info)
+        with self._lock:
+            seen = self._refused.get(key) == identity
+            self._refused[key] = identity
+            self._refused.move_to_end(key)
+            while len(self._refused) > MAX_REFUSED:
+                self._refused.popitem(last=False)
+        if not seen:
+            self.stats.add(refused=1)
+            self._log.error("refused", f"disk tier: refused {path}: {reason}; it is a miss (left in place) and the "
+                                       "page is recomputed")  # fmt: skip
+        return False
+
+    def _read(self, key: bytes, row: Row, batch: ReadBatch, run: int) -> bool:
+        """Read and check page `key` into `row` (chunk by chunk through this thread's scratch buffer, copied under
+        the run's guard while the batch is live)."""
+        path = self._file(key)
+        opened = self._open(key, path)
+        if isinstance(opened, bool):
+            return opened
+        fd, info = opened
+        parts = payload_parts(row)
+        scratch = self._chunk_buffer()  # [header room | chunk]
+        try:
+            n = read_all(fd, scratch[: HEADER_SIZE + min(CHUNK, self.row_bytes)], 0)  # the header and a first chunk
+            header, chunk, got = bytes(scratch[: min(n, HEADER_SIZE)]), scratch[HEADER_SIZE:n], 0
+            while chunk:
+                with batch.guards[run]:
+                    if batch.abandoned:
+                        return False
+                    scatter(parts, got, chunk)
+                got += len(chunk)
+                if got == self.row_bytes:
+                    break
+                n = read_all(
+                    fd, scratch[HEADER_SIZE : HEADER_SIZE + min(CHUNK, self.row_bytes - got)], HEADER_SIZE + got
+                )
+                chunk = scratch[HEADER_SIZE : HEADER_SIZE + n]
+        except OSError as exc:
+            return self._read_failed(path, exc)
         finally:
             os.close(fd)
-        return (decode_header(memoryview(header)) if got >= 0 else None), max(0, got)
+        payload = parts if got == self.row_bytes else head(parts, got)
+        reason = check_page(decode_header(header), payload, key, self.fingerprint, self.hash_algo, self.row_bytes,
+                            self.mac_key)  # fmt: skip
+        if reason is None and got == self.row_bytes:
+            return True
+        return self._refuse(key, path, reason or "short file", info)
+
+    def _chunk_buffer(self) -> memoryview:
+        """This reader thread's scratch buffer: a header, then a chunk of payload."""
+        buffer: memoryview | None = getattr(self._scratch, "buffer", None)
+        if buffer is None:
+            buffer = self._scratch.buffer = memoryview(bytearray(HEADER_SIZE + min(CHUNK, self.row_bytes)))
+        return buffer
 
     def _read_failed(self, path: str, exc: OSError) -> bool:
         self.stats.add(errors=1)
@@ -247,10 +361,11 @@ class DiskTier(LowerTier):
 
     # ----------------------------------------------------------------- writes
     def store(self, keys: Sequence[bytes], rows: Sequence[Row], done: Done, *, framed: bool = False) -> None:
-        """The pages not stored nor being written go to up to `threads` jobs (every `threads`-th page
-        each): one task per job, not per page, so small pages do not pay a thread handoff each. A
-        framed row is sealed in place and written with one write; another row is written as header
-        and parts with one writev."""
+        """The pages not being written go to up to `threads` jobs (every `threads`-th page each): one task per
+        job, not per page, so small pages do not pay a thread handoff each. A job skips a page that is stored
+        (indexed, its file there) unless this tier refused it, and writes the others: a framed row sealed in
+        place with one write, another row as header and parts with one writev. Nothing touches the file system
+        on the calling thread."""
         if len(keys) != len(rows):
             raise ValueError(f"{len(keys)} keys but {len(rows)} rows")
         if framed:
@@ -259,18 +374,12 @@ class DiskTier(LowerTier):
         skipped: list[int] = []
         with self._lock:
             for i, key in enumerate(keys):
-                if key in self._index or key in self._writing:
-                    skipped.append(i)
+                if key in self._writing:
+                    skipped.append(i)  # another job of this process is writing that page
                 else:
                     self._writing.add(key)
                     todo.append(i)
-        gone = [i for i in skipped if keys[i] in self._index and not os.path.exists(self._file(keys[i]))]
-        with self._lock:  # files deleted behind the index (an operator, a peer's cap, a lost file): rewrite
-            # (index values are None: pop gives None once per key still indexed, then the default 0)
-            gone = [i for i in gone if keys[i] not in self._writing and self._index.pop(keys[i], 0) is None]
-            self._writing.update(keys[i] for i in gone)
-        todo = sorted(todo + gone) if gone else todo
-        for i in sorted(set(skipped) - set(gone)):
+        for i in skipped:
             done(i)
         jobs = min(self._threads, len(todo))
         for first in range(jobs):
@@ -284,12 +393,29 @@ class DiskTier(LowerTier):
         for key, row, i in zip(keys, rows, index, strict=True):
             self._write(key, row, i, done, framed)
 
+    @staticmethod
+    def _regular(path: str) -> bool:
+        try:
+            return stat.S_ISREG(os.stat(path, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
+
     def _write(self, key: bytes, row: Row, i: int, done: Done, framed: bool = False) -> None:
         path = self._file(key)
         tmp = f"{path[:-5]}.{threading.get_ident()}.tmp"
         start = time.perf_counter()
+        reserved = False
         try:
-            self._make_room()
+            # stored and its file there (not refused by this tier): nothing to write; a file deleted behind the
+            # index (an operator, a lost file) is written again. Checked without the lock first, then under it.
+            rewrite = key in self._refused
+            if not rewrite and key in self._index and self._regular(path):
+                return
+            victims = self._index.reserve(key, None if rewrite else lambda: self._regular(path))
+            if victims is None:
+                return
+            self._evict(victims)
+            reserved = True
             if framed:
                 assert isinstance(row, memoryview)
                 seal(row, key, self.fingerprint, self.hash_algo, self.mac_key)
@@ -307,49 +433,37 @@ class DiskTier(LowerTier):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 fd = os.open(tmp, _CREATE, 0o644)
             try:
-                _write_all(fd, buffers)  # one write(v) for header and row
+                write_all(fd, buffers)  # one write(v) for header and row
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            os.replace(tmp, path)  # (over a page this tier refused, too)
+            self._evict(self._index.stored(key))
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            if reserved:
+                self._index.abandon(key, lambda: os.path.isfile(path))
             self.stats.add(errors=1, skipped_writes=1)
             full = exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
             self._log.error("full" if full else "write",
                             f"disk tier: {'disk full' if full else 'write failed'} ({exc}); pages are not written "
                             "to disk until it recovers, serving continues")  # fmt: skip
-            with self._lock:
-                self._writing.discard(key)
         else:
             with self._lock:
-                self._writing.discard(key)
-                self._index[key] = None
-            self._make_room(writing=False)
+                self._refused.pop(key, None)
             self.stats.add(pages_stored=1, bytes_stored=self.row_bytes)
             self.stats.observe("store", time.perf_counter() - start)
             self._log.recovered("full", "disk tier: writes succeed again")
         finally:
+            with self._lock:
+                self._writing.discard(key)
             done(i)
 
-    def _make_room(self, writing: bool = True) -> None:
-        """Delete least recently used pages until the pages being written fit under the cap (`writing` False: until
-        the stored ones do; a writer calls it again once its page is indexed, so pages written side by side never
-        leave the disk over the cap)."""
-        with self._lock:  # (chosen and unindexed under one lock: two writers never pick the same victim)
-            over = len(self._index) + (len(self._writing) if writing else 0) - self.capacity
-            victims = list(itertools.islice(self._index, over)) if over > 0 else []  # O(victims), not O(index)
-            for key in victims:
-                del self._index[key]
+    def _evict(self, victims: list[bytes]) -> None:
+        """Delete the files of pages the index evicted (no longer indexed) and count them."""
         if victims:
             self.stats.add(evictions=len(victims))
             self._unlink(victims)
-
-    def _delete(self, keys: list[bytes]) -> None:
-        with self._lock:
-            for key in keys:
-                self._index.pop(key, None)
-        self._unlink(keys)
 
     def _unlink(self, keys: list[bytes]) -> None:
         """Remove the files of `keys` (no longer indexed) and tell the listeners. A file that cannot be removed
@@ -372,55 +486,21 @@ class DiskTier(LowerTier):
             future.result()  # type: ignore[attr-defined]
 
     def reset(self) -> int:
+        """Delete every page of this directory (every process's); returns how many."""
         self.wait()
+        try:
+            keys = self._index.remove_all()
+        except OSError as exc:
+            self._index_error("reset", f"disk tier: resetting {self._root} failed ({exc})")
+            return 0
         with self._lock:
-            keys = list(self._index)
-        self._delete(keys)
+            self._refused.clear()
+        self._unlink(keys)
         return len(keys)
 
     def shutdown(self) -> None:
+        """Finish pending writes and stop the threads (a read stuck in the file system is not waited for)."""
         self.wait()
         self._pool.shutdown(wait=True)
-
-
-def _head(parts: list[memoryview], nbytes: int) -> list[memoryview]:
-    """The first `nbytes` of `parts`, as views."""
-    out = []
-    for part in parts:
-        take = min(len(part), nbytes)
-        out.append(part[:take])
-        nbytes -= take
-    return out
-
-
-def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
-    """Write all of `parts` at the file's position (writev; a short write is resumed, and the
-    call after one that could not write everything raises, e.g. EFBIG or ENOSPC)."""
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        n = os.writev(fd, views)
-        if not n:
-            raise OSError(errno.EIO, "write returned 0")
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views:
-            views[0] = views[0][n:]
-
-
-def _read_all(fd: int, parts: list[bytearray | memoryview]) -> int:
-    """Read the file from its start into `parts` in order until they are full or it ends (preadv);
-    returns the bytes read."""
-    views = [memoryview(p).cast("B") for p in parts]
-    total = 0
-    while views:
-        n = os.preadv(fd, views, total)
-        if not n:
-            break
-        total += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views:
-            views[0] = views[0][n:]
-    return total
+        self._readers.shutdown(wait=False, cancel_futures=True)
+        self._index.close()

@@ -58,9 +58,8 @@ def create_connector(
     config = params.kv_connector_config or KVConnectorConfig()
     mover = mover if mover is not None else PageMover(buffer)
     algo = hash_algo or params.kv_hash_algo
-    signed = [("hmac-sha256",)] if config.mac_key is not None else []  # signed pages: their own namespace
-    tagged = [("rows", kind_tag)] if kind_tag else []
-    fingerprint = layout_fingerprint(describe_layout(params, mover) + tagged + signed, config.model_id)
+    tagged = [("rows", kind_tag)] if kind_tag else []  # (the tiers name pages by fingerprint and signing key)
+    fingerprint = layout_fingerprint(describe_layout(params, mover) + tagged, config.model_id)
     lower: list[LowerTier] = []
     if kind is KVConnectorType.tiered:
         from pagedkv.offload.disk import DiskTier
@@ -68,7 +67,8 @@ def create_connector(
         assert config.disk_offload_dir is not None  # checked by KVCacheParams
         cap = config.disk_max_bytes if disk_bytes is None else disk_bytes
         lower.append(DiskTier(config.disk_offload_dir, mover.row_bytes, cap, fingerprint, algo,
-                              threads=config.io_threads, emit=emit, mac_key=config.mac_key))  # fmt: skip
+                              threads=config.io_threads, emit=emit, mac_key=config.mac_key,
+                              timeout_s=config.disk_timeout_s))  # fmt: skip
     elif kind is KVConnectorType.redis:
         from pagedkv.offload.redis_tier import RedisTier
 

@@ -30,6 +30,12 @@ load; a keyed reader refuses every unsigned or wrongly signed page, and the
 header binds the page to its content hash and layout, so a valid page copied
 under another key or into another layout is refused too.
 Version 1 pages (80-byte header, checksum only) are refused and recomputed.
+
+Tiers keep pages under a namespace (`tier_namespace`): the layout fingerprint,
+and for signed pages the key's public id (`key_id`), so engines with different
+keys, and unsigned engines, never look up or write each other's page names. A
+page a reader refuses stays where it is: it is a miss for that reader, never
+deleted by it (see docs/SECURITY.md).
 """
 
 from __future__ import annotations
@@ -50,11 +56,13 @@ __all__ = [
     "checksum",
     "encode_header",
     "key_bytes",
+    "key_id",
     "layout_fingerprint",
     "mac",
     "payload_nbytes",
     "payload_parts",
     "seal",
+    "tier_namespace",
 ]
 
 MAGIC = b"PKVP"
@@ -65,6 +73,7 @@ _SIGNED = 68  # bytes of the header an HMAC covers (everything before the tag)
 HASH_ALGO_IDS = {"sha256": 1, "sha256_64": 2, "xxh3_128": 3}
 CRC32, XXH3_64, HMAC_SHA256 = 1, 2, 3
 MIN_MAC_KEY_BYTES = 16
+KEY_ID_LABEL = b"pagedkv tier key id\x00v1"  # what `key_id` signs: fixed, so the id names the key alone
 
 
 def _xxh3_64() -> Callable[[Any], int] | None:
@@ -143,6 +152,22 @@ def layout_fingerprint(describe: Sequence[object], model_id: str = "") -> bytes:
     (dtype, page size, heads, head_dim, layers, TP degree, ...; see `offload.layout`)."""
     text = repr((VERSION, model_id, tuple(describe))).encode()
     return hashlib.blake2b(text, digest_size=16).digest()
+
+
+def key_id(mac_key: bytes) -> str:
+    """The public name of a `tier_hmac_key`: 16 hex characters (8 bytes) of HMAC-SHA256 under the key of a
+    fixed label. One way (it tells nothing about the key, and no page can be signed with it), so it is safe
+    to publish and log; engines with the same key have the same id, engines with another key another id."""
+    return hmac.new(mac_key, KEY_ID_LABEL, hashlib.sha256).hexdigest()[:16]
+
+
+def tier_namespace(fingerprint: bytes, mac_key: bytes | None) -> str:
+    """The name a disk or Redis tier keeps the pages of layout `fingerprint` under: its 32 hex characters,
+    then ``-`` and `key_id` for pages signed with `mac_key`. Engines whose layout or key differ (or that
+    sign and do not) never name the same page, so none of them reads, refuses or writes another's."""
+    if len(fingerprint) != 16:
+        raise ValueError(f"fingerprint of {len(fingerprint)} bytes (must be 16)")
+    return fingerprint.hex() if mac_key is None else f"{fingerprint.hex()}-{key_id(mac_key)}"
 
 
 @dataclass(frozen=True)

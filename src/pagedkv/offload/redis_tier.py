@@ -2,16 +2,21 @@
 
 One string value per page, no pickle, under
 
-    <redis_key_prefix><layout fingerprint, 32 hex>:<content hash, hex>  ->  112-byte header + page row
+    <redis_key_prefix><namespace>:<content hash, hex>  ->  112-byte header + page row
 
-(`offload.format`). The fingerprint covers the model id, dtype, page size,
-heads, layers and TP degree, so engines read only pages of their own layout;
-the prefix namespaces a shared server. A reader checks header and checksum
-before a byte reaches the KV cache; a refused value is counted, logged once
-and deleted. Writes run on `io_threads` threads: one pipelined EXISTS, then
-``SET NX`` (``EX redis_ttl_s`` when set; a page offered again gets its
-expiry refreshed) for the missing pages. Reads are pipelined MGETs of at
-most `FETCH_CHUNK_BYTES`, stopping at the first miss.
+(`offload.format`). The namespace is the layout fingerprint (32 hex: model id,
+dtype, page size, heads, layers, TP degree), then ``-`` and the HMAC key's
+public id for signed pages (`format.tier_namespace`), so engines read only
+pages of their own layout and key; the prefix namespaces a shared server. A
+reader checks header and checksum before a byte reaches the KV cache; a value
+it refuses is a miss for it, counted and logged once (once per version of the
+value), and never deleted by it: what removes it is `redis_ttl_s`, the
+server's eviction, `reset`, or this tier storing that page again after it
+computed it (a value it refused is written over; others are ``SET NX``).
+Writes run on `io_threads` threads: one pipelined EXISTS, then ``SET NX``
+(``EX redis_ttl_s`` when set; a page offered again gets its expiry refreshed)
+for the missing pages. Reads are pipelined MGETs of at most
+`FETCH_CHUNK_BYTES`, stopping at the first miss.
 
 Failure is not an outage. Every Redis call has `redis_timeout_s` and no
 client-side retry; any Redis or socket error is counted (`stats.errors`,
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -50,6 +56,7 @@ from pagedkv.offload.format import (
     encode_header,
     payload_parts,
     seal,
+    tier_namespace,
 )
 from pagedkv.offload.redis_client import client_factory, import_redis, is_cluster, redis_client, unlink_prefix, where
 from pagedkv.offload.tier import Done, LowerTier, OnceLogger, Row, check_framed
@@ -58,11 +65,13 @@ __all__ = ["FETCH_CHUNK_BYTES", "RedisTier", "redis_client"]
 
 FETCH_CHUNK_BYTES = 32 * 2**20  # one MGET reads at most this much; a long prefix takes several round trips
 SCAN_COUNT = 512
+MAX_REFUSED = 4096  # refused values remembered (the same value is counted once, and written over)
 
 
 class RedisTier(LowerTier):
     """Pages of one layout (`fingerprint`) in the Redis server of `config`, shared by every process
-    using the same `redis_key_prefix` and fingerprint. Thread-safe; never raises for a Redis problem."""
+    using the same `redis_key_prefix`, fingerprint and `tier_hmac_key` (or none). Thread-safe; never
+    raises for a Redis problem."""
 
     name = "redis"
     medium = "REDIS"
@@ -79,7 +88,7 @@ class RedisTier(LowerTier):
         self.fingerprint = fingerprint
         self.hash_algo = hash_algo
         self.emit = emit
-        self.namespace = f"{config.redis_key_prefix}{fingerprint.hex()}:"
+        self.namespace = f"{config.redis_key_prefix}{tier_namespace(fingerprint, config.mac_key)}:"
         self.stats = TierStats("redis")
         self.cluster = is_cluster(config.redis_url)
         self._connect = client_factory(config)  # checks the config now; builds the client on first use
@@ -93,6 +102,7 @@ class RedisTier(LowerTier):
         self._down_until = 0.0  # time.monotonic() before which the tier is skipped
         self._down_since: float | None = None  # when the last failure was marked (None: up)
         self._writing: set[bytes] = set()  # keys a write job of this process is storing
+        self._refused: OrderedDict[bytes, bytes] = OrderedDict()  # key -> the refused value's length and header
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="pagedkv-redis")
         self._inflight: set[Future[None]] = set()
 
@@ -179,7 +189,7 @@ class RedisTier(LowerTier):
     def probe(self, keys: Sequence[bytes]) -> list[bool]:
         """One pipelined GETRANGE (the header) + STRLEN per key (per node for a cluster): True where the
         page is there, one page long, with a header `check_header` accepts; a page that fails is
-        refused (counted, logged once, deleted). All False while the tier is skipped or on an error."""
+        refused (counted and logged once, left in place). All False while the tier is skipped or on an error."""
         if not keys or not self.available:
             return [False] * len(keys)
         started = time.monotonic()
@@ -196,9 +206,13 @@ class RedisTier(LowerTier):
                 if not size:
                     found.append(False)
                     continue
+                version = _version(size, head)
+                if self._refused.get(key) == version:
+                    found.append(False)  # refused before, unchanged since
+                    continue
                 reason = check_header(decode_header(head), key, self.fingerprint, self.hash_algo, self.row_bytes,
                                       self.config.mac_key, size)  # fmt: skip
-                found.append(reason is None or self._refuse(key, names[i], reason))
+                found.append(reason is None or self._refuse(key, names[i], reason, version))
         except self._errors as exc:
             self._failed("lookup", exc)
             return [False] * len(keys)
@@ -207,7 +221,10 @@ class RedisTier(LowerTier):
 
     def _accept(self, key: bytes, name: str, value: bytes, row: Row) -> bool:
         """Copy `value`'s row into `row` (a view, or its parts) if it is the valid page `key`; otherwise
-        refuse and delete it."""
+        refuse it (a miss; the value stays)."""
+        version = _version(len(value), value[:HEADER_SIZE])
+        if self._refused.get(key) == version:
+            return False  # refused before, unchanged since
         payload = memoryview(value)[HEADER_SIZE:]
         reason = check_page(decode_header(value), payload, key, self.fingerprint, self.hash_algo, self.row_bytes,
                             self.config.mac_key)  # fmt: skip
@@ -217,15 +234,19 @@ class RedisTier(LowerTier):
                 part[:] = payload[at : at + len(part)]
                 at += len(part)
             return True
-        return self._refuse(key, name, reason)
+        return self._refuse(key, name, reason, version)
 
-    def _refuse(self, key: bytes, name: str, reason: str) -> bool:
-        """Count, log (once) and delete a refused value; False."""
+    def _refuse(self, key: bytes, name: str, reason: str, version: bytes) -> bool:
+        """Count and log (once) a refused value and remember it (the same value is not counted again; this
+        tier writes over it when it stores the page); the value stays on the server. False."""
+        with self._lock:
+            self._refused[key] = version
+            self._refused.move_to_end(key)
+            while len(self._refused) > MAX_REFUSED:
+                self._refused.popitem(last=False)
         self.stats.add(refused=1)
-        self._log.error("refused", f"redis tier: refused {name}: {reason}; it is deleted and the page recomputed")
-        self.client.unlink(name)
-        if self.emit is not None:
-            self.emit(BlockRemoved([key], self.medium))
+        self._log.error("refused", f"redis tier: refused {name}: {reason}; it is a miss (left in place) and the "
+                                   "page is recomputed")  # fmt: skip
         return False
 
     # ----------------------------------------------------------------- writes
@@ -269,12 +290,14 @@ class RedisTier(LowerTier):
                 self.stats.add(skipped_writes=len(keys))
                 return
             names = [self.key(k) for k in keys]
+            refused = {self.key(k) for k in keys if k in self._refused}  # written over (this tier refused them)
             with self.client.pipeline(transaction=False) as pipe:
                 for name in names:
                     pipe.exists(name)
                 present = pipe.execute()
             values = {name: self._value(key, row, framed)
-                      for key, row, name, there in zip(keys, rows, names, present, strict=True) if not there}  # fmt: skip
+                      for key, row, name, there in zip(keys, rows, names, present, strict=True)
+                      if not there or name in refused}  # fmt: skip
             if not framed:
                 for i in pending:
                     done(i)  # every row is copied (or not needed): the caller may reuse it
@@ -283,7 +306,7 @@ class RedisTier(LowerTier):
                 with self.client.pipeline(transaction=False) as pipe:
                     for name in names:
                         if name in values:
-                            pipe.set(name, values[name], nx=True, ex=ttl)
+                            pipe.set(name, values[name], nx=name not in refused, ex=ttl)
                         elif ttl is not None:
                             pipe.expire(name, ttl)  # offered again: keep it for another ttl
                     results = pipe.execute()
@@ -293,6 +316,11 @@ class RedisTier(LowerTier):
             self.stats.add(skipped_writes=len(keys))
             self._failed("write", exc)
         else:
+            if refused:
+                with self._lock:
+                    for key, name in zip(keys, names, strict=True):
+                        if name in refused:
+                            self._refused.pop(key, None)
             if stored:
                 self.stats.add(pages_stored=stored, bytes_stored=stored * self.row_bytes)
             self.stats.observe("store", time.monotonic() - started)
@@ -327,6 +355,8 @@ class RedisTier(LowerTier):
         started = time.monotonic()
         deleted = 0
         removed: list[bytes] = []
+        with self._lock:
+            self._refused.clear()
         try:
             for count, names in unlink_prefix(self.client, self.namespace, SCAN_COUNT):
                 deleted += count
@@ -357,3 +387,8 @@ class RedisTier(LowerTier):
             self._client.close()
         except self._errors:
             pass
+
+
+def _version(size: int, head: bytes | memoryview) -> bytes:
+    """What tells one stored value of a page from another: its length and its header (which holds the tag)."""
+    return size.to_bytes(8, "little") + bytes(head)

@@ -49,14 +49,17 @@ class LoadCopyError(RuntimeError):
     """A staged load's device copy failed: `pages` hold no valid KV for `hashes` (same length).
 
     Raised by `KVConnector.complete_loads` after every staged row was unpinned
-    and the connector's `on_failed_loads` was told (the manager's tiers drop the
-    pages from the device prefix cache). Requests holding these pages must be
-    released and recomputed: their cached prefix was never written.
+    and the connector's `on_failed_loads` was told: a manager's tiers drop the
+    pages from the device prefix cache and roll back every request holding one
+    (it gives its pages back from the first such page on and its context moves
+    back to match, consistent at once), so calling `alloc` again for those
+    requests computes what the pages were to hold (or loads it again).
     """
 
     def __init__(self, pages: list[int], hashes: list[BlockHash]) -> None:
         super().__init__(f"copying {len(pages)} loaded pages into the device failed (device pages {pages[:8]}"
-                         f"{' ...' if len(pages) > 8 else ''}); requests holding them must be recomputed")  # fmt: skip
+                         f"{' ...' if len(pages) > 8 else ''}); requests holding them were rolled back: alloc them "
+                         "again")  # fmt: skip
         self.pages = pages
         self.hashes = hashes
 

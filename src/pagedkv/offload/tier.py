@@ -5,7 +5,11 @@ its content hash, and checks both on the way back. A row is one writable
 byte view, or a list / tuple of views (its parts, in order: an SGLang host
 page's K and V halves) that the tier reads from and writes into in place. It never raises into
 the caller for an I/O problem: it counts it (`stats.errors`), logs it once,
-and reports a miss, so the engine recomputes instead of failing.
+and reports a miss, so the engine recomputes instead of failing. Every read
+is bounded in time. A page it cannot verify is a miss for it, counted
+(`stats.refused`) and never deleted by it; only a later `store` of that page
+by the same tier writes over it. Pages live in a namespace of their layout
+and signing key (`format.tier_namespace`).
 """
 
 from __future__ import annotations
@@ -70,13 +74,14 @@ class LowerTier(ABC):
     def probe(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each page is there with a header that `fetch` would accept (`format.check_header`:
         layout, key, length, signed or not; the payload is not read, so its tag is not checked).
-        Tiers that can read a header cheaply refuse (and count, and delete) a page that fails;
+        Tiers that can read a header cheaply refuse (count, and leave in place) a page that fails;
         this default is `contains`."""
         return self.contains(keys)
 
     @abstractmethod
     def store(self, keys: Sequence[bytes], rows: Sequence[Row], done: Done, *, framed: bool = False) -> None:
-        """Write each row under its key, in the background; pages already stored are skipped.
+        """Write each row under its key, in the background; pages already stored are skipped, but for a page
+        this tier refused, which is written over.
         ``done(i)`` is called once row i is no longer read (written, skipped or failed).
 
         With ``framed=True`` each row is one writable byte view of `format.HEADER_SIZE` bytes of room

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.ops import reference, torch_ops
-from pagedkv.ops.checks import check_attention, check_step, check_store, reject_nonfinite
+from pagedkv.ops.checks import check_attention, check_kv_kinds, check_step, check_store, reject_nonfinite
 from pagedkv.ops.conv_state import causal_conv1d
 from pagedkv.ops.gated_delta import gated_delta_rule
 from pagedkv.ops.masks import AttentionOptions
@@ -229,6 +229,8 @@ class PagedStep:
     input_row_offsets: torch.Tensor
     metadata: PagedMetadata
     options: AttentionOptions
+    # non-empty until the step's first `store` checked its K/V against the pages (once per step, not per layer)
+    _unchecked: list[bool] = dataclasses.field(default_factory=lambda: [True], init=False, repr=False)
 
     @classmethod
     def build(
@@ -264,12 +266,33 @@ class PagedStep:
         return cls(inputs, metadata.input_row_offsets, metadata, options)
 
     def store(self, key: torch.Tensor, value: torch.Tensor | None, layer: int) -> None:
-        """`store_kv(key [T, H_kv, D], value, ...)` of `layer` into this step's slots."""
+        """`store_kv(key [T, H_kv, D], value, ...)` of `layer` into this step's slots.
+
+        The step's first call checks K and V against the pages (`check_kv`): every layer of a group stores
+        the same [H_kv, D], so one check per step catches a model whose K/V disagree with the cache layout.
+        """
         if not self.options.causal:
             raise ValueError("store_kv needs causal metadata: causal=False (cross-attention) steps store no keys")
         if not 0 <= layer < self.inputs.blocks.shape[2]:  # the one per-layer argument
             raise ValueError(f"layer={layer} must be in [0, {self.inputs.blocks.shape[2]}) (the cache's layers)")
+        if self._unchecked:
+            self.check_kv(key, value)
+            self._unchecked.clear()
         _store(key, value, self.inputs, self.input_row_offsets, layer, self.metadata)
+
+    def check_kv(self, key: torch.Tensor, value: torch.Tensor | None) -> None:
+        """ValueError unless `key` (and `value`) are [T, H_kv, D] of the step's T tokens and the pages' (H_kv, D),
+        with a value exactly when the pages hold one (not for MLA). Reads shapes only."""
+        blocks = self.inputs.blocks
+        expected = (self.metadata.num_tokens, *blocks.shape[4:])
+        for name, x in (("key", key), ("value", value)):
+            if x is not None and tuple(x.shape) != expected:
+                raise ValueError(
+                    f"{name} shape {tuple(x.shape)} != the step's [T, H_kv, D]={list(expected)}: the model's "
+                    f"attention gives K/V of another layout than the pages hold (H_kv={blocks.shape[4]}, "
+                    f"D={blocks.shape[5]})"
+                )
+        check_kv_kinds(value, blocks)
 
     def attend(
         self,

@@ -5,7 +5,9 @@ The backends (torch, Triton) trust what passed here and do not check it again.
 `ops.PagedStep.build` runs it once per step instead of once per layer. They run
 before anything is read or written, on tensor attributes only (shape, dtype, device: no
 device sync), and raise TypeError (wrong type or dtype) or ValueError (wrong shape, device, layer),
-naming the argument, its value and what was expected. `reject_nonfinite` is the
+naming the argument, its value and what was expected. `check_store` also reads the row offsets, cache
+lengths and lookup table on the host, so that no row of a public `ops.store_kv` call lands outside its
+request's pages (a device sync on a GPU; `PagedStep`, which the engine uses, builds its own offsets). `reject_nonfinite` is the
 ``nonfinite_kv="reject"`` policy: it is called only under that policy, so "pass" costs nothing.
 """
 
@@ -19,7 +21,7 @@ import torch
 from pagedkv.ops.metadata import PagedMetadata
 from pagedkv.runtime.inputs import RaggedKVCacheInputs
 
-__all__ = ["check_attention", "check_step", "check_store", "reject_nonfinite"]
+__all__ = ["check_attention", "check_kv_kinds", "check_step", "check_store", "reject_nonfinite"]
 
 
 _INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
@@ -41,6 +43,9 @@ def check_step(inputs: Any, offsets: Any) -> torch.Tensor:
         raise TypeError(f"input_row_offsets must be an integer torch.Tensor [B + 1], got {type(offsets).__name__}")
     if offsets.dtype not in _INT_DTYPES:
         raise TypeError(f"input_row_offsets has dtype {offsets.dtype}; it must be an integer tensor")
+    batch = inputs.cache_lengths.shape[0]
+    if offsets.dim() != 1 or offsets.shape[0] != batch + 1:
+        raise ValueError(f"input_row_offsets has shape {tuple(offsets.shape)}; a batch of {batch} needs [{batch + 1}]")
     return blocks
 
 
@@ -90,8 +95,57 @@ def check_store(
         _check_tokens(name, x, blocks, tokens)
         if x.shape[1:] != page:
             raise ValueError(f"{name} shape {tuple(x.shape)} != [T, H_kv, D] with (H_kv, D)={tuple(page)}")
+    check_kv_kinds(value, blocks)
+    _check_rows(offsets, inputs, blocks, key.shape[0])
+
+
+def check_kv_kinds(value: Any, blocks: torch.Tensor) -> None:
+    """V is given exactly when the cache stores it: kv_dim=2 pages need a value, kv_dim=1 (MLA) pages take none."""
     if value is not None and blocks.shape[1] == 1:
         raise ValueError("value given for a cache with kv_dim=1 (MLA stores K only)")
+    if value is None and blocks.shape[1] != 1:
+        raise ValueError(f"value is None but the cache stores K and V (kv_dim={blocks.shape[1]}): pass value "
+                         "[T, H_kv, D] (only an MLA cache, kv_dim=1, stores K alone)")  # fmt: skip
+
+
+def _check_rows(offsets: torch.Tensor, inputs: RaggedKVCacheInputs, blocks: torch.Tensor, tokens: int) -> None:
+    """Every request's rows of the step land in pages of its own: the offsets start at 0, never decrease and
+    end at the `tokens` K rows, no request has more new tokens than the batch's longest (``max_lengths[0, 0]``),
+    and each token's position falls on a page of its lookup-table row, never past it or on the null page
+    (except a dummy request's, whose whole row is the null page).
+    Reads the offsets, cache lengths and table on the host (a device sync when they live on a GPU)."""
+    host = offsets.to("cpu", torch.int64)  # [B + 1]
+    counts = host[1:] - host[:-1]  # [B]
+    shown = host.tolist()
+    if shown[0] != 0 or bool((counts < 0).any()):
+        raise ValueError(f"input_row_offsets={shown} must start at 0 and never decrease")
+    if shown[-1] != tokens:
+        raise ValueError(f"input_row_offsets={shown} end at {shown[-1]} but key has {tokens} tokens")
+    if not counts.numel():
+        return
+    longest = int(inputs.max_lengths[0, 0])  # host table
+    request = int(counts.argmax())
+    if int(counts[request]) > longest:
+        raise ValueError(f"input_row_offsets={shown} give request {request} {int(counts[request])} tokens, more "
+                         f"than the batch's longest, {longest} (inputs.max_lengths[0, 0])")  # fmt: skip
+    cached = inputs.cache_lengths.to("cpu", torch.int64)  # [B]
+    table = inputs.lookup_table.to("cpu", torch.int64)  # [B, C]
+    owner = torch.repeat_interleave(torch.arange(counts.shape[0]), counts, output_size=tokens)  # [T]
+    position = cached[owner] + torch.arange(tokens) - host[:-1][owner]  # [T]
+    column = position // blocks.shape[3]  # [T]
+    outside = column >= table.shape[1]  # [T]
+    page = table[owner, column.clamp(max=max(table.shape[1] - 1, 0))] if table.shape[1] else column  # [T]
+    null = blocks.shape[0] - 1  # the null page is the last one
+    dummy = (table == null).all(dim=1) if table.shape[1] else torch.ones(counts.shape[0], dtype=torch.bool)  # [B]
+    bad = ~dummy[owner] & (outside | (page < 0) | (page >= null))  # [T] (a dummy request writes to the null page)
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        b, pos, col = int(owner[t]), int(position[t]), int(column[t])
+        held = "the null page" if int(page[t]) == null else f"page {int(page[t])}, not one of the cache's {null}"
+        where = (f"past its lookup_table row of {table.shape[1]} pages" if bool(outside[t]) else
+                 f"on column {col} of its lookup_table row, which holds {held}")  # fmt: skip
+        raise ValueError(f"input_row_offsets={shown} give request {b} {int(counts[b])} tokens after its "
+                         f"{int(cached[b])} cached ones: its token at position {pos} would land {where}")  # fmt: skip
 
 
 def check_attention(

@@ -3,11 +3,24 @@
 A Llama-style model with seeded random weights (`pagedkv.demo.build_llama`; no download) or a local
 checkpoint is served by `LLMEngine` from one thread; aiohttp answers:
 
-- ``POST /v1/completions`` ``{"prompt": [token ids], "max_tokens": n, "cache_salt": str?}`` ->
-  an OpenAI-style completion with ``choices[0].token_ids``, ``usage.prompt_tokens_details.cached_tokens``
-  (the prefix-cache hit the manager reported) and ``pagedkv.ttft_s`` (arrival to first token, engine side);
+- ``POST /v1/completions`` ``{"prompt": [token ids], "max_tokens": n, "cache_salt": str?}`` (and optionally
+  ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``: `SamplingParams`; greedy by default) ->
+  an OpenAI-style completion with ``choices[0].token_ids``, ``finish_reason`` (``"length"`` or ``"stop"``),
+  ``usage.prompt_tokens_details.cached_tokens`` (the prefix-cache hit the manager reported) and
+  ``pagedkv.ttft_s`` (arrival to first token, engine side);
 - ``GET /load`` -> ``{"running", "waiting", "free_pages", "total_pages", "kv_event_batches"}``;
 - ``POST /reset`` -> drops every cached page (an ``AllBlocksCleared`` event).
+
+Every field is checked before the request reaches the engine (`parse_completion`). A bad request gets
+status 400 and ``{"error": message, "param": field}``, the message naming the field, its value and the
+limit: a body that is not a JSON object; ``prompt`` missing, empty, not a list of ints (bools refused)
+or outside the vocabulary; ``max_tokens`` not an int (``2.7``, ``"3"``, ``true``, ``Infinity`` are
+refused, never rounded) or outside [1, 2**31 - 1]; a request the whole KV cache could never hold
+(``param`` is ``prompt`` when the prompt alone does not fit, else ``max_tokens``, with the largest
+``max_tokens`` that fits); a ``cache_salt`` that is not a non-empty string; a bad sampling field. A
+request that fails inside the engine answers 500 with ``{"error", "finish_reason": "error"}`` (its
+sampling failed: it alone; a failed forward pass: every request in flight, which are aborted), and the
+server serves on.
 
 KV events go out through `ZmqEventPublisher` (PUB and replay ROUTER bound on loopback). When the
 server is ready it prints one JSON line: ``{"url", "events", "replay", "page_size"}``.
@@ -25,7 +38,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EngineWorker", "add_arguments", "main"]
+__all__ = ["BadRequestError", "EngineWorker", "add_arguments", "main", "make_app", "parse_completion"]
+
+INT32_MAX = 2**31 - 1
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
+
+
+class BadRequestError(ValueError):
+    """A request the server refuses (HTTP 400): `param` names the body field at fault (None: the body)."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -48,7 +72,7 @@ class EngineWorker:
         self.publisher = publisher
         self._inbox: queue.Queue[_Job] = queue.Queue()
         self._stop = threading.Event()
-        self._pending: dict[int, tuple[Any, _Job]] = {}
+        self._pending: dict[int, _Job] = {}  # request id -> its job
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
 
     def start(self) -> None:
@@ -95,8 +119,8 @@ class EngineWorker:
                 self._resolve(job, {"reset": True})
                 return
             p = job.payload
-            request = engine.add_request(p["prompt"], p["max_tokens"], cache_salt=p.get("cache_salt"))
-            self._pending[id(request)] = (request, job)
+            request = engine.add_request(p["prompt"], p["max_tokens"], p["sampling"], cache_salt=p.get("cache_salt"))
+            self._pending[request.request_id] = job
         except Exception as exc:
             self._resolve(job, error=exc)
 
@@ -114,14 +138,100 @@ class EngineWorker:
                 continue
             try:
                 finished = engine.step()
-            except Exception as exc:  # fail every request in flight, keep serving
-                for _, job in self._pending.values():
+            except Exception as exc:  # fail every request in flight (out of the engine, pages released), serve on
+                engine.abort_request(list(self._pending))
+                for job in self._pending.values():
                     self._resolve(job, error=exc)
                 self._pending.clear()
                 continue
-            for request in finished:
-                _, job = self._pending.pop(id(request))
-                self._resolve(job, request)
+            for request in finished:  # (a request whose sampling failed is among them, with its error)
+                self._resolve(self._pending.pop(request.request_id), request)
+
+
+def _int_field(body: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
+    """`body[key]` (absent or null: `default`) as an int in [low, high]; BadRequestError for anything else
+    (bools, floats, strings, Infinity)."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if type(value) is not int:
+        raise BadRequestError(f"{key}={value!r} must be an integer in [{low}, {high}]", key)
+    if not low <= value <= high:
+        raise BadRequestError(f"{key}={value} must be in [{low}, {high}]", key)
+    return value
+
+
+def parse_completion(body: Any, engine: Any) -> dict[str, Any]:
+    """The job of a ``/v1/completions`` body, every field checked against `engine` (its vocabulary and its
+    whole KV cache); `BadRequestError` names the first field at fault. Reads only fixed settings of the
+    engine (safe from the server's thread while the engine steps)."""
+    from pagedkv.core.errors import InsufficientBlocksError
+    from pagedkv.core.hashing import check_salt
+    from pagedkv.engine import SamplingParams
+    from pagedkv.engine.checks import check_fits
+
+    if not isinstance(body, dict):
+        raise BadRequestError(f"the body must be a JSON object, got {type(body).__name__}", None)
+    if "prompt" not in body:
+        raise BadRequestError("prompt is missing: give a non-empty list of token ids", "prompt")
+    prompt = body["prompt"]
+    if not isinstance(prompt, list):
+        raise BadRequestError(f"prompt must be a non-empty list of token ids, got {type(prompt).__name__}", "prompt")
+    if not prompt:
+        raise BadRequestError("prompt must be a non-empty list of token ids, got an empty list", "prompt")
+    bad = next((i for i, t in enumerate(prompt) if type(t) is not int), None)
+    if bad is not None:
+        raise BadRequestError(f"prompt[{bad}]={prompt[bad]!r} is not a token id (an int)", "prompt")
+    vocab = getattr(getattr(engine.model, "config", None), "vocab_size", None)
+    if isinstance(vocab, int) and not all(0 <= t < vocab for t in prompt):
+        bad = next(i for i, t in enumerate(prompt) if not 0 <= t < vocab)
+        raise BadRequestError(f"prompt[{bad}]={prompt[bad]} is outside the model's vocabulary [0, {vocab})", "prompt")
+    max_tokens = _int_field(body, "max_tokens", 16, 1, INT32_MAX)
+    salt = body.get("cache_salt")
+    try:
+        check_salt(salt)
+    except (TypeError, ValueError) as exc:
+        raise BadRequestError(str(exc), "cache_salt") from None
+    options = {key: body[key] for key in SAMPLING_FIELDS if body.get(key) is not None}  # (null: the default)
+    for key, value in options.items():  # one by one: the error names its field
+        try:
+            SamplingParams(**{key: value})
+        except (TypeError, ValueError) as exc:
+            raise BadRequestError(str(exc), key) from None
+    try:
+        sampling = SamplingParams(**options)
+    except (TypeError, ValueError) as exc:
+        raise BadRequestError(str(exc), None) from None
+    manager = engine.manager
+    try:
+        check_fits(manager, len(prompt), 1)
+    except InsufficientBlocksError as exc:
+        message = f"prompt has {len(prompt)} tokens: more than this engine's whole KV cache holds ({exc})"
+        raise BadRequestError(message, "prompt") from None
+    try:
+        check_fits(manager, len(prompt), max_tokens)
+    except InsufficientBlocksError as exc:
+        most = _most_tokens(manager, len(prompt), max_tokens)
+        message = (f"max_tokens={max_tokens} does not fit this engine's KV cache with a prompt of {len(prompt)} "
+                   f"tokens: at most {most} ({exc})")  # fmt: skip
+        raise BadRequestError(message, "max_tokens") from None
+    return {"prompt": prompt, "max_tokens": max_tokens, "cache_salt": salt, "sampling": sampling}
+
+
+def _most_tokens(manager: Any, prompt_length: int, above: int) -> int:
+    """The largest max_tokens below `above` that a prompt of `prompt_length` tokens fits with (1 fits)."""
+    from pagedkv.core.errors import InsufficientBlocksError
+    from pagedkv.engine.checks import check_fits
+
+    low, high = 1, above - 1  # fits(low); not fits(above)
+    while low < high:
+        mid = (low + high + 1) // 2
+        try:
+            check_fits(manager, prompt_length, mid)
+            low = mid
+        except InsufficientBlocksError:
+            high = mid - 1
+    return low
 
 
 def _completion(request: Any, name: str) -> dict[str, Any]:
@@ -129,7 +239,7 @@ def _completion(request: Any, name: str) -> dict[str, Any]:
     return {
         "id": f"cmpl-{name}-{request.request_id}", "object": "text_completion", "created": int(time.time()),
         "model": name,
-        "choices": [{"index": 0, "text": "", "token_ids": out, "finish_reason": "length"}],
+        "choices": [{"index": 0, "text": "", "token_ids": out, "finish_reason": request.finish_reason}],
         "usage": {"prompt_tokens": request.prompt_len, "completion_tokens": len(out),
                   "total_tokens": request.prompt_len + len(out),
                   "prompt_tokens_details": {"cached_tokens": int(request.cached_tokens)}},
@@ -141,20 +251,30 @@ def make_app(worker: EngineWorker, name: str) -> Any:
     """The aiohttp application serving `worker`."""
     from aiohttp import web
 
+    from pagedkv.core.errors import InsufficientBlocksError
+
+    def bad(message: str, param: str | None) -> web.Response:
+        return web.json_response({"error": f"bad request: {message}", "param": param}, status=400)
+
     async def completions(http: web.Request) -> web.Response:
         try:
             body = await http.json()
-            prompt = body["prompt"]
-            if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
-                raise ValueError("prompt must be a list of token ids")
-            job = {"prompt": prompt, "max_tokens": int(body.get("max_tokens", 16)),
-                   "cache_salt": body.get("cache_salt")}  # fmt: skip
-        except (ValueError, KeyError, TypeError) as exc:
-            return web.json_response({"error": f"bad request: {exc}"}, status=400)
+        except ValueError as exc:  # (not JSON, or not UTF-8)
+            return bad(f"the body is not JSON: {exc}", None)
+        try:
+            job = parse_completion(body, worker.engine)
+        except BadRequestError as exc:
+            return bad(str(exc), exc.param)
         try:
             request = await worker.submit("generate", job)
-        except (ValueError, TypeError) as exc:
-            return web.json_response({"error": str(exc)}, status=400)
+        except (ValueError, TypeError, InsufficientBlocksError) as exc:  # (the engine's own checks: a safety net)
+            return bad(str(exc), None)
+        except Exception as exc:  # the engine's step failed for every request in flight; it serves on
+            return web.json_response({"error": f"the engine failed: {type(exc).__name__}: {exc}",
+                                      "finish_reason": "error"}, status=500)  # fmt: skip
+        if request.error is not None:  # its sampling failed: it alone
+            return web.json_response({"error": f"the request failed: {type(request.error).__name__}: "
+                                      f"{request.error}", "finish_reason": "error"}, status=500)  # fmt: skip
         return web.json_response(_completion(request, name))
 
     async def load(http: web.Request) -> web.Response:
@@ -163,16 +283,13 @@ def make_app(worker: EngineWorker, name: str) -> Any:
     async def reset(http: web.Request) -> web.Response:
         return web.json_response(await worker.submit("reset", {}))
 
+    async def health(http: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
     app = web.Application()
     app.add_routes([web.post("/v1/completions", completions), web.get("/load", load), web.post("/reset", reset),
-                    web.get("/health", lambda _: _ok())])  # fmt: skip
+                    web.get("/health", health)])  # fmt: skip
     return app
-
-
-async def _ok() -> Any:
-    from aiohttp import web
-
-    return web.json_response({"ok": True})
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from pagedkv.core.hashing import PrefixHasher, check_salt
-from pagedkv.validation import check_int
+from pagedkv.validation import as_token_array, check_int
 
 __all__ = ["BlockHasher", "PagedKVHasher", "VLLMHasher", "cbor_canonical", "wire_hash"]
 
@@ -51,13 +51,6 @@ class BlockHasher(Protocol):
     def hashes(self, tokens: Sequence[int] | np.ndarray, salt: str | None = None) -> list[bytes | int]:
         """The event hashes of the full blocks of ``tokens[:-1]``, in order."""
         ...  # pragma: no cover
-
-
-def _tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    array = np.asarray(tokens)
-    if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
-        raise TypeError(f"tokens must be a 1-D integer sequence, got shape {array.shape} dtype {array.dtype}")
-    return array
 
 
 class PagedKVHasher:
@@ -86,11 +79,11 @@ class PagedKVHasher:
         self._hasher = PrefixHasher(algo, page_size, seed, memo_pages=4096, version=version)
 
     def hashes(self, tokens: Sequence[int] | np.ndarray, salt: str | None = None) -> list[bytes | int]:
-        """See `BlockHasher.hashes`; raises TypeError for a non-integer sequence or a non-str salt."""
-        array = _tokens(tokens)
+        """See `BlockHasher.hashes`; raises as `as_token_array` (allowing empty) and `check_salt` do."""
+        array = as_token_array(tokens, copy=False, allow_empty=True)
         check_salt(salt)
         n = max(len(array) - 1, 0) // self.block_size
-        keys, _ = self._hasher.extend(array, 0, n, self._hasher.root(salt or None))
+        keys, _ = self._hasher.extend(array, 0, n, self._hasher.root(salt))
         return [wire_hash(k, self.int_hashes) for k in keys]
 
 
@@ -186,13 +179,13 @@ class VLLMHasher:
         self.none_hash = self._fn(none_hash_seed)
 
     def hashes(self, tokens: Sequence[int] | np.ndarray, salt: str | None = None) -> list[bytes | int]:
-        """See `BlockHasher.hashes`; raises TypeError for a non-integer sequence or a non-str salt."""
-        values = _tokens(tokens).tolist()
+        """See `BlockHasher.hashes`; raises as `as_token_array` (allowing empty) and `check_salt` do."""
+        values = as_token_array(tokens, copy=False, allow_empty=True).tolist()
         check_salt(salt)
         bs, fn = self.block_size, self._fn
         parent, out = self.none_hash, []
         for i in range(max(len(values) - 1, 0) // bs):
-            extra = (("cache_salt", salt),) if (i == 0 and salt) else None
+            extra = (("cache_salt", salt),) if (i == 0 and salt is not None) else None
             parent = fn((parent, tuple(values[i * bs : (i + 1) * bs]), extra))
             out.append(wire_hash(parent, self.int_hashes))
         return out

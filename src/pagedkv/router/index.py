@@ -2,7 +2,10 @@
 
 One background thread owns every socket: a SUB per engine (connected to its PUB endpoint, filtered
 on its topic) and, on demand, a DEALER to its replay ROUTER. Each message is
-``(topic, seq as 8-byte big-endian, payload)``:
+``(topic, seq as 8-byte big-endian, payload)``. ZMQ's subscription is a prefix match (subscribed to
+``kv``, the socket also gets ``kvX`` and ``kv-metrics``), so the topic frame is compared exactly: a
+message (live or replayed) of any other topic is counted in ``stats.other_topics`` and skipped.
+Then, by ``seq``:
 
 - ``seq`` equal to the one expected: the batch is applied.
 - ``seq`` above it (a gap: the PUB socket dropped messages, or the router joined late; the first
@@ -51,7 +54,7 @@ class EngineSpec:
         hasher: how the engine hashes blocks (`PagedKVHasher`, `VLLMHasher`); engines given the same
             hasher object hash a request once.
         replay_endpoint: the engine's replay ROUTER endpoint (None: gaps are counted, not filled).
-        topic: the topic the engine publishes under (a prefix filter on the SUB socket).
+        topic: the topic the engine publishes under; only messages of exactly this topic are applied.
         url: the engine's HTTP base URL, for `Router` load scrapes and the proxy (None: none).
     """
 
@@ -92,6 +95,7 @@ class PrefixIndex:
         self.engines: dict[str, EngineSpec] = {e.name: e for e in engines}
         self.replay_timeout_s = float(replay_timeout_s)
         self._caches = {name: EngineCache() for name in names}
+        self._topics = {e.name: e.topic.encode() for e in engines}  # the exact first frame of each stream
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ready = threading.Event()  # set once the initial replays are done
@@ -226,8 +230,12 @@ class PrefixIndex:
         """Apply one live message ``[topic, seq, payload]`` from engine `name` (the subscriber thread
         calls this; tests and benchmarks may too, from one thread). A gap or a restart triggers a replay
         from this thread (when the engine has a replay endpoint and the index was started). Malformed
-        messages are counted and skipped."""
+        messages are counted and skipped, and so are messages of another topic (`StreamStats.other_topics`)."""
         cache = self._cache(name)
+        if frames and bytes(frames[0]) != self._topics[name]:  # (SUBSCRIBE matched a prefix only)
+            with self._lock:
+                cache.stats.other_topics += 1
+            return
         if len(frames) != 3 or len(frames[1]) != 8:
             with self._lock:
                 cache.stats.malformed += 1
@@ -290,6 +298,10 @@ class PrefixIndex:
                 continue
             if frames[-2] == _END_SEQ:
                 done = True
+                continue
+            if len(frames) == 4 and frames[1] != self._topics[name]:  # (vLLM's answers carry the topic)
+                with self._lock:
+                    cache.stats.other_topics += 1
                 continue
             seq = int.from_bytes(frames[-2], "big")
             if seq < expected or (stop is not None and seq >= stop):

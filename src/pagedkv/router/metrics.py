@@ -56,7 +56,7 @@ def render_metrics(router: Router) -> str:
     family("pagedkv_router_engine_blocks", "gauge", "Blocks the engine holds, by medium (from its KV events).",
            [({"engine": e, "medium": m}, n) for e in router.engines for m, n in sorted(index.num_blocks(e).items())])  # fmt: skip
     stream_fields = ("batches", "events", "removals", "gaps", "replays", "replayed", "unrecovered", "restarts",
-                     "malformed", "clears")  # fmt: skip
+                     "malformed", "clears", "other_topics")  # fmt: skip
     stats = {e: index.stats(e) for e in router.engines}
     for f in stream_fields:
         family(f"pagedkv_router_stream_{f}_total", "counter", f"KV event stream: {f} (see StreamStats).",

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedkv.core.hashing import check_salt
 from pagedkv.router.hashers import BlockHasher, PagedKVHasher, VLLMHasher
 from pagedkv.router.index import EngineSpec, PrefixIndex
 from pagedkv.router.metrics import render_metrics
@@ -124,8 +125,10 @@ def make_app(router: Router, config: RouterConfig) -> Any:
             prompt = list(tokenizer(prompt)["input_ids"])
         if not isinstance(prompt, list) or not prompt or not all(type(t) is int for t in prompt):
             raise ValueError("prompt must be a non-empty list of token ids (or text with a tokenizer)")
-        if salt is not None and not isinstance(salt, str):
-            raise ValueError(f"cache_salt={salt!r} must be a string")
+        try:
+            check_salt(salt)  # (None: no salt; "" is refused, as everywhere)
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
         return prompt, salt
 
     async def route(http: web.Request) -> web.Response:

@@ -21,7 +21,9 @@ class StreamStats:
         (no replay endpoint, timeout, or the publisher's buffer no longer reached back);
         restarts: sequence decreases (the publisher restarted: the engine's entries were dropped);
         malformed: messages counted and skipped (bad frames, payload or event);
-        clears: `AllBlocksCleared` events; ignored_groups: events of KV groups other than 0.
+        clears: `AllBlocksCleared` events; ignored_groups: events of KV groups other than 0;
+        other_topics: messages whose topic frame is not exactly the engine's topic, skipped (a ZMQ
+        subscription matches topic prefixes: subscribed to ``kv``, the socket also gets ``kv-metrics``).
     """
 
     batches: int = 0
@@ -35,6 +37,7 @@ class StreamStats:
     malformed: int = 0
     clears: int = 0
     ignored_groups: int = 0
+    other_topics: int = 0
 
 
 @dataclass

@@ -43,6 +43,7 @@ class StorageSettings:
     redis_ttl_s: int | None = None
     disk_offload_dir: str | None = None
     disk_offload_max_gb: float = 50.0
+    disk_timeout_s: float = 5.0
     tier_hmac_key: bytes | None = field(default=None, repr=False)
     redis_key_prefix: str = DEFAULT_KEY_PREFIX
     io_threads: int = 4
@@ -65,10 +66,10 @@ class StorageSettings:
         if (url is None) == (disk is None):
             raise ValueError("extra_config must name exactly one medium: 'redis_url' (or 'redis_cluster_nodes') "
                              f"or 'disk_offload_dir'; got {'both' if url else 'neither'}")  # fmt: skip
-        medium_only = {"disk_offload_max_gb": disk, **{key: url for key in REDIS_ONLY}}
+        medium_only = {"disk_offload_max_gb": disk, "disk_timeout_s": disk, **{key: url for key in REDIS_ONLY}}
         for key, medium in medium_only.items():
             if key in extra and medium is None:
-                other = "a Redis (redis_url)" if key != "disk_offload_max_gb" else "a directory (disk_offload_dir)"
+                other = "a directory (disk_offload_dir)" if key.startswith("disk_") else "a Redis (redis_url)"
                 raise ValueError(f"extra_config[{key!r}]={extra[key]!r} applies to {other} only; this backend uses "
                                  f"{'disk_offload_dir' if disk else 'redis_url'}")  # fmt: skip
         return cls(**options)
@@ -89,5 +90,5 @@ class StorageSettings:
             redis_timeout_s=self.redis_timeout_s, redis_retry_s=self.redis_retry_s, io_threads=self.io_threads,
             tier_hmac_key=self.tier_hmac_key,
             disk_offload_dir=None if self.disk_offload_dir is None else os.path.join(self.disk_offload_dir, namespace),
-            disk_offload_max_gb=self.disk_offload_max_gb,
+            disk_offload_max_gb=self.disk_offload_max_gb, disk_timeout_s=self.disk_timeout_s,
         )  # fmt: skip

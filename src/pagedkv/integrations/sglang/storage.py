@@ -11,15 +11,17 @@ loaded from `pagedkv.integrations.sglang` only when SGLang asks for the class).
   move the flat page tensors SGLang passes. Legacy and v1 store the same bytes.
 - **Namespace**: ``<model>_<tp_rank>_<tp_size>`` (and ``_<pp_size>_<pp_rank>`` under pipeline
   parallelism), as SGLang's HiCacheFile suffixes its files, then the layout fingerprint (model,
-  parallel ranks, pool class and layout, dtype, layers, heads, head dims, page size, part sizes,
-  signed or not): Redis keys ``<redis_key_prefix><namespace>:<fingerprint>:<sha256 hex>``, files
-  ``<disk_offload_dir>/<namespace>/<fingerprint>/<byte>/<sha256 hex>.page``. ``model_id`` (extra config)
-  replaces SGLang's model name in both. A page of another layout is
+  parallel ranks, pool class and layout, dtype, layers, heads, head dims, page size, part sizes)
+  and, for signed pages, ``-`` and the HMAC key's public id (`pagedkv.offload.format.tier_namespace`):
+  Redis keys ``<redis_key_prefix><namespace>:<fingerprint>[-<key id>]:<sha256 hex>``, files
+  ``<disk_offload_dir>/<namespace>/<fingerprint>[-<key id>]/<byte>/<sha256 hex>.page``. ``model_id``
+  (extra config) replaces SGLang's model name in both. A page of another layout or key is
   never found, so it is a miss.
 - **Checks**: `batch_exists` reads each page's header (`check_header`: key, layout, length, signed
   or not) and stops at the first page that is missing or fails; the reads check the payload's
-  checksum or HMAC too. A page that fails either is refused: counted, logged once, deleted, and
-  reported missing (a read stops at it, as `batch_exists` does).
+  checksum or HMAC too. A page that fails either is refused: counted, logged once, reported missing
+  (a read stops at it, as `batch_exists` does), and left in place (a reader never deletes a page;
+  this backend writes over it when SGLang stores that page again).
 - **Failures**: nothing raises into SGLang's threads. A Redis outage makes reads and lookups
   misses and writes return False (`skipped_writes`), and the tier is skipped for `redis_retry_s`
   before it is tried again; a bug-level error in a call is logged once and answered as a miss.
@@ -44,7 +46,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
 from pagedkv.integrations.sglang.host_pages import HostPages
 from pagedkv.integrations.sglang.keys import namespace, page_key
 from pagedkv.integrations.sglang.settings import StorageSettings
-from pagedkv.offload.format import layout_fingerprint
+from pagedkv.offload.format import layout_fingerprint, tier_namespace
 from pagedkv.offload.tier import LowerTier
 
 __all__ = ["FORMAT_TAG", "PagedKVStorage"]
@@ -98,8 +100,6 @@ class PagedKVStorage(HiCacheStorage):  # type: ignore[misc]
         describe: list[object] = [FORMAT_TAG, ("ranks", c.tp_rank, c.tp_size, c.pp_rank, c.pp_size, c.attn_cp_rank,
                                                c.attn_cp_size, getattr(c, "dcp_rank", 0), getattr(c, "dcp_size", 1)),
                                   *pages.describe()]  # fmt: skip
-        if self.config.mac_key is not None:
-            describe.append(("hmac-sha256",))  # signed pages live apart from unsigned ones
         fingerprint = layout_fingerprint(describe, self.model_id)
         if self.settings.medium == "redis":
             from pagedkv.offload.redis_tier import RedisTier
@@ -110,12 +110,13 @@ class PagedKVStorage(HiCacheStorage):  # type: ignore[misc]
 
             assert self.config.disk_offload_dir is not None
             tier = DiskTier(self.config.disk_offload_dir, pages.row_bytes, self.config.disk_max_bytes, fingerprint,
-                            HASH_ALGO, threads=self.config.io_threads, mac_key=self.config.mac_key)  # fmt: skip
+                            HASH_ALGO, threads=self.config.io_threads, mac_key=self.config.mac_key,
+                            timeout_s=self.config.disk_timeout_s)  # fmt: skip
         old, self.tier, self.pages, self.fingerprint = self.tier, tier, pages, fingerprint
         if old is not None:
             old.shutdown()
-        log.info("pagedkv HiCache storage: %s tier, %d-byte pages, namespace %s, fingerprint %s",
-                 tier.name, pages.row_bytes, self.namespace, fingerprint.hex())  # fmt: skip
+        log.info("pagedkv HiCache storage: %s tier, %d-byte pages, namespace %s, pages under %s",
+                 tier.name, pages.row_bytes, self.namespace, tier_namespace(fingerprint, self.config.mac_key))  # fmt: skip
 
     # ----------------------------------------------------------------- plumbing
     def _guard(self, what: str, default: _T, call: Callable[[], _T]) -> _T:
@@ -249,7 +250,7 @@ class PagedKVStorage(HiCacheStorage):  # type: ignore[misc]
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many leading pages of `keys` are stored with a header a read accepts (the headers are read,
-        not the payloads; a refused header is deleted). 0 on an outage or before a pool is registered."""
+        not the payloads; a refused page stays in place). 0 on an outage or before a pool is registered."""
 
         def run() -> int:
             with self._serial() as tier:

@@ -101,7 +101,7 @@ def block_layout(vllm_config: Any, kv_cache_config: Any, settings: ConnectorSett
         spec_kind=type(spec).__name__, dtype=str(spec.dtype), cache_dtype=str(cache.cache_dtype),
         block_size=tokens, hash_block_size=hash_block, num_heads=heads, head_bytes=head_bytes,
         head_size=spec.head_size, head_size_v=spec.head_size_v, tp_size=parallel.tensor_parallel_size,
-        hash_algo=str(cache.prefix_caching_hash_algo), signed=settings.tiers.mac_key is not None,
+        hash_algo=str(cache.prefix_caching_hash_algo),
     )  # fmt: skip
 
 

@@ -48,7 +48,9 @@ class BlockLayout:
         head_size / head_size_v: K and V head dims (elements).
         tp_size: tensor-parallel degree; each rank's pages have their own fingerprint.
         hash_algo: vLLM's ``prefix_caching_hash_algo``.
-        signed: pages carry an HMAC (a namespace apart from checksummed pages).
+
+    Whether pages are signed, and with which key, is not part of the layout: the tiers keep pages of each
+    key in a namespace of its own (`pagedkv.offload.format.tier_namespace`).
     """
 
     model_id: str
@@ -64,7 +66,6 @@ class BlockLayout:
     head_size_v: int
     tp_size: int
     hash_algo: str
-    signed: bool
 
     def __post_init__(self) -> None:
         if self.hash_algo not in FORMAT_HASH_ALGO:
@@ -98,7 +99,7 @@ class BlockLayout:
         return [
             "vllm-v1-block", "rows=LHNC", self.spec_kind, self.dtype, self.cache_dtype, self.block_size,
             self.hash_block_size, self.num_heads, self.head_bytes, self.head_size, self.head_size_v, self.layer_names,
-            ("tp", self.tp_size, tp_rank), ("hash", self.hash_algo), *([("hmac-sha256",)] if self.signed else []),
+            ("tp", self.tp_size, tp_rank), ("hash", self.hash_algo),
         ]  # fmt: skip
 
     def fingerprint(self, tp_rank: int) -> bytes:

@@ -30,6 +30,7 @@ EXTRA_CONFIG_KEYS: dict[str, str] = {
     "redis_retry_s": "after a Redis error, Redis is skipped for this long",
     "disk_offload_dir": "directory of the disk tier (one checked file per page)",
     "disk_offload_max_gb": "size cap of the disk tier (least recently used pages are deleted)",
+    "disk_timeout_s": "a disk read that makes no progress for this long is a miss",
     "tier_hmac_key": "secret (>= 16 bytes) that signs every stored page and is required on every load",
     "tier_hmac_key_file": "file holding that secret (instead of tier_hmac_key)",
     "model_id": "names the model in the layout fingerprint (default: the served model's name)",

@@ -54,7 +54,8 @@ class TierSet:
             from pagedkv.offload.disk import DiskTier
 
             self.tiers.append(DiskTier(config.disk_offload_dir, row_bytes, config.disk_max_bytes, fingerprint,
-                                       hash_algo, threads=config.io_threads, mac_key=config.mac_key))  # fmt: skip
+                                       hash_algo, threads=config.io_threads, mac_key=config.mac_key,
+                                       timeout_s=config.disk_timeout_s))  # fmt: skip
         if config.redis_url is not None:
             from pagedkv.offload.redis_tier import RedisTier
 
