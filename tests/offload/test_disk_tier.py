@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 import subprocess
@@ -225,4 +226,95 @@ def test_a_read_that_blocks_is_abandoned_and_never_writes_late(tmp_path: Path, m
     assert dest == bytes(64)  # the late read wrote nothing into the abandoned fetch's row
     monkeypatch.undo()
     assert tier.fetch([key], [memoryview(dest)]) == 1 and dest == row
+    tier.shutdown()
+
+
+def _stuck_reads(monkeypatch: Any, page: str) -> tuple[threading.Event, threading.Event]:
+    """`preadv` of `page` waits until the second event is set (the first tells that it started): a file system
+    that stops answering in the middle of that page."""
+    real, stuck, release = os.preadv, threading.Event(), threading.Event()
+
+    def preadv(fd: int, buffers: Any, offset: int) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}") == page and not release.is_set():
+            stuck.set()
+            release.wait(60)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    return stuck, release
+
+
+def test_lent_rows_are_read_into_and_each_handed_back_once_before_the_fetch_returns(tmp_path: Path) -> None:
+    """With `done` the pages are read straight into the rows; every row is handed back exactly once, before
+    `fetch` returns, whether it holds a page, is past a missing page, or was never read."""
+    tier = DiskTier(tmp_path, 64, 1 << 20, b"t" * 16, "sha256", threads=3)
+    keys = [bytes([k]) * 32 for k in range(1, 9)]
+    rows = [bytes([k]) * 64 for k in range(1, 9)]
+    tier.store(keys[:5] + keys[6:], [memoryview(r) for r in rows[:5] + rows[6:]], lambda i: None)  # no page 5
+    tier.wait()
+    dest = [bytearray(64) for _ in keys]
+    back: list[int] = []
+    assert tier.fetch(keys, [memoryview(d) for d in dest], done=back.append) == 5
+    assert sorted(back) == list(range(8))  # each row once, all before the return
+    assert [bytes(d) for d in dest[:5]] == rows[:5]
+    back.clear()
+    assert tier.fetch(keys[:5], [memoryview(d) for d in dest[:5]], done=back.append) == 5 and back == list(range(5))
+    tier.shutdown()
+
+
+def test_a_lent_row_whose_read_is_abandoned_is_handed_back_once_the_read_ends(tmp_path: Path, monkeypatch: Any) -> None:
+    """A lent row's read that the file system holds up: `fetch` returns a miss after `timeout_s` without handing
+    that row back (the stuck read may still write into it); the row not read is handed back at once. When the
+    read ends, its reader thread hands the row back, exactly once, and from then on nothing writes into it."""
+    tier = DiskTier(tmp_path, 64, 1 << 20, b"t" * 16, "sha256", threads=1, timeout_s=0.2)
+    keys, rows = [bytes([9]) * 32, bytes([10]) * 32], [bytes(range(64)), bytes(range(1, 65))]
+    tier.store(keys, [memoryview(r) for r in rows], lambda i: None)
+    tier.wait()
+    stuck, release = _stuck_reads(monkeypatch, str(tier.path(keys[0])))
+    dest = [bytearray(64), bytearray(64)]
+    back: list[tuple[int, str]] = []
+    handed = threading.Event()
+
+    def done(i: int) -> None:
+        back.append((i, threading.current_thread().name))
+        if i == 0:
+            handed.set()
+
+    got: list[int] = []
+    fetch = threading.Thread(target=lambda: got.append(tier.fetch(keys, [memoryview(d) for d in dest], done=done)))
+    fetch.start()
+    fetch.join(30)
+    assert stuck.is_set() and not fetch.is_alive(), "fetch waited for a read stuck in the file system"
+    assert got == [0] and [i for i, _ in back] == [1] and tier.stats.errors == 1  # row 0 is still lent
+    release.set()
+    assert handed.wait(30)
+    assert [i for i, _ in back] == [1, 0] and back[1][1].startswith("pagedkv-disk-read")  # by the reader, once
+    dest[0][:] = bytes(64)  # the caller reuses the row: nothing writes into it any more
+    assert any(tier.probe([keys[0]]) == [True] for _ in range(50))  # (the one reader thread is past that read)
+    assert dest[0] == bytes(64) and len(back) == 2
+    monkeypatch.undo()
+    tier.shutdown()
+
+
+def test_a_group_of_pages_is_reserved_and_recorded_under_one_journal_lock_each(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A write job takes the journal's lock once to reserve its pages and once to record them stored, not twice
+    per page; the journal then holds one reserve and one stored record per page."""
+    tier = DiskTier(tmp_path, 64, 1 << 20, b"t" * 16, "sha256", threads=1)
+    real, locks = fcntl.flock, []
+
+    def flock(fd: int, op: int) -> None:
+        if op & fcntl.LOCK_EX:
+            locks.append(fd)
+        real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    keys = [bytes([k]) * 32 for k in range(16)]
+    tier.store(keys, [memoryview(bytes([k]) * 64) for k in range(16)], lambda i: None)
+    tier.wait()
+    assert len(locks) == 2 and tier.stats.pages_stored == 16 and tier.num_used_pages == 16
+    journal = (tier.root / "pages.journal").read_bytes()[16:]
+    ops = [journal[at : at + 1] for at in range(0, len(journal), 34)]
+    assert ops.count(b"+") == 16 and ops.count(b"=") == 16
     tier.shutdown()

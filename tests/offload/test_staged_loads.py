@@ -8,8 +8,11 @@ leave no pinned host row, no leaked page and no wrong KV behind.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -165,6 +168,48 @@ def test_lower_tier_pages_staged_without_a_host_tier(tmp_path: Any) -> None:
     assert conn.load([7, 8], keys("a", "b")) == 2 and pages_of(mover, [7, 8]) == stale  # fetched, not copied
     conn.wait_for_loads()  # the older name of complete_loads
     assert pages_of(mover, [7, 8]) == before and len(conn.staged) == 0
+    conn.shutdown()
+
+
+def test_a_host_row_lent_to_an_abandoned_disk_read_stays_pinned_until_handed_back(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Disk pages are read straight into the host rows reserved for them (lent). A read the file system holds
+    up past `timeout_s` is a miss, and its row stays pinned (nothing reuses it) until the read ends and the disk
+    tier hands it back; then it is free and the host index is whole."""
+    mgr = PagedKVCacheManager(LAYOUTS["fp32"](), None, 10, max_batch_size=2)
+    mgr.close()
+    mover = PageMover(mgr.get_device_buffer())
+    disk = DiskTier(tmp_path, mover.row_bytes, 1 << 20, b"f" * 16, "sha256", threads=1, timeout_s=0.2)
+    conn = KVConnector("tiered", mover, host_pages=4, lower=[disk], page_size=mgr.page_size)
+    scramble_units(mover, 1)
+    before = pages_of(mover, [1])
+    conn.offload([1, 2], keys("a", "b"))
+    conn.flush()
+    conn.host.index.clear()  # only the disk holds them now
+    assert conn.host.index.available() == 4
+    page, real, stuck, release = str(disk.path(keys("b")[0])), os.preadv, threading.Event(), threading.Event()
+
+    def preadv(fd: int, buffers: Any, offset: int) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}") == page and not release.is_set():
+            stuck.set()
+            release.wait(60)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    assert conn.load([7, 8], keys("a", "b")) == 1 and stuck.is_set()  # page b's read was abandoned
+    assert conn.host.index.available() == 2  # a's row (pinned until copied) and b's (lent to the stuck read)
+    conn.complete_loads()
+    assert pages_of(mover, [7]) == before
+    assert conn.host.index.available() == 3  # b's row is still lent
+    release.set()
+    for _ in range(100):  # the reader hands b's row back when its read ends
+        if conn.host.index.available() == 4:
+            break
+        time.sleep(0.05)
+    assert conn.host.index.available() == 4 and keys("b")[0] not in conn.host.index
+    conn.host.index.check_integrity()
+    monkeypatch.undo()
     conn.shutdown()
 
 

@@ -31,7 +31,7 @@ from pagedkv.core.tier_stats import TierStats
 from pagedkv.offload.format import key_bytes
 from pagedkv.offload.host import HostTier
 from pagedkv.offload.staged_loads import FailedLoads, LoadCopyError, StagedCopy, StagedLoads
-from pagedkv.offload.tier import LowerTier
+from pagedkv.offload.tier import LentRows, LowerTier
 from pagedkv.offload.transfer import RowMover
 
 __all__ = ["KVConnector", "LoadCopyError"]
@@ -122,13 +122,17 @@ class KVConnector:
             else:
                 views = [self.host.row(s) for s in reserved]  # type: ignore[union-attr]
             t0 = time.perf_counter()
-            got = tier.fetch(rest, views)
+            if reserved is None:  # (staging rows are reused by the next tier: the tier may not write them late)
+                got = tier.fetch(rest, views)
+            else:  # host rows are lent: read straight into them, each unpinned once the tier hands it back
+                lent = LentRows(self._unpin_late(reserved))
+                got = tier.fetch(rest, views, done=lent.done)
             tier.stats.add(lookups=len(rest), pages_loaded=got, bytes_loaded=got * self.mover.row_bytes)
             tier.stats.observe("load", time.perf_counter() - t0)
             if reserved is None:
                 slots.extend(-1 - (found + i) for i in range(got))
             else:
-                self._promoted(rest, reserved, got)
+                self._promoted(rest, reserved, got, lent.out(len(rest)))
                 slots.extend(reserved[:got])
             if got < len(rest):  # a miss or a refused page ends the prefix
                 break
@@ -206,14 +210,21 @@ class KVConnector:
         self._evicted(evicted)
         return slots or None
 
-    def _promoted(self, keys: list[bytes], reserved: list[int], got: int) -> None:
-        """Keep the host rows of the `got` pages a lower tier gave; free the rest."""
+    def _unpin_late(self, reserved: list[int]) -> Callable[[int], None]:
+        """For `LentRows`: unpin row i when a tier hands it back after its fetch ended (a read it gave up on, which
+        ended late; `_promoted` removed its key, so the row becomes free)."""
+        index = self.host.index  # type: ignore[union-attr]
+        return lambda i: index.unpin([reserved[i]])
+
+    def _promoted(self, keys: list[bytes], reserved: list[int], got: int, out: set[int]) -> None:
+        """Keep the host rows of the `got` pages a lower tier gave; free the rest (a row in `out`, which the tier
+        has not handed back yet, at its hand-back: until then it stays pinned, so nothing reuses it)."""
         host = self.host
         assert host is not None
         with host.index.lock:
             for key in keys[got:]:
                 host.index.remove(key)
-            host.index.unpin(reserved[got:])
+            host.index.unpin(slot for i, slot in enumerate(reserved[got:], got) if i not in out)
         if got:
             host.stats.add(pages_stored=got, bytes_stored=got * self.mover.row_bytes)
             self._event(BlockStored(list(keys[:got]), None, [], self.page_size, host.medium))

@@ -16,8 +16,12 @@ or layout live in their own subdirectory instead of corrupting a shared slot map
 
 The size cap is the directory's: every process writing it keeps one LRU index
 through `pages.journal` (`offload.disk_index`), rebuilt against the files at
-start. Reads run on reader threads and are bounded in time (`offload.disk_io`):
-a read that makes no progress for `timeout_s` is abandoned, a miss. Only a
+start; a write job reserves its pages under one lock of the journal and
+records them stored under one more. Reads run on reader threads and are
+bounded in time (`offload.disk_io`): a read that makes no progress for
+`timeout_s` is abandoned, a miss. Rows the caller lends (``fetch(...,
+done=)``) are read straight into, each handed back once no reader can write
+it; other rows through a reader's scratch buffer, never written late. Only a
 regular file is a page: a FIFO, device, socket, directory or link at a page's
 name is refused without being opened for reading (no read can block on it).
 
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import stat
 import threading
@@ -45,7 +50,7 @@ from pathlib import Path
 from pagedkv.core.events import BlockRemoved, EventSink
 from pagedkv.core.tier_stats import TierStats
 from pagedkv.offload.disk_index import DiskIndex, scan
-from pagedkv.offload.disk_io import CHUNK, ReadBatch, head, read_all, scatter, write_all
+from pagedkv.offload.disk_io import CHUNK, ReadBatch, head, read_lent, read_through, write_file
 from pagedkv.offload.format import (
     HEADER_SIZE,
     check_header,
@@ -62,7 +67,6 @@ from pagedkv.offload.tier import Done, LowerTier, OnceLogger, Row, check_framed
 __all__ = ["DiskTier"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW  # a planted file or link at the name is not written
 # a page that is a symbolic link is refused (ELOOP), never followed; opening a FIFO never waits for a writer
 _READ = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
 MAX_REFUSED = 4096  # refused pages remembered (so the same bad file is counted once, and written over)
@@ -150,22 +154,25 @@ class DiskTier(LowerTier):
         return len(self._index)
 
     # ----------------------------------------------------------------- reads
-    def fetch(self, keys: Sequence[bytes], dest: Sequence[Row]) -> int:
+    def fetch(self, keys: Sequence[bytes], dest: Sequence[Row], done: Done | None = None) -> int:
         """Up to `threads` reader runs take every `threads`-th page, in order; a miss or refusal at page i stops
         every run at i (pages before it are all read). Waits until they are done or no page was read for
-        `timeout_s` (then the pages not read are misses, and nothing writes into `dest` after this returns)."""
+        `timeout_s` (then the pages not read are misses). With `done` (rows lent, `LowerTier.fetch`) the runs
+        read straight into the rows, and a row a run was reading when the wait gave up is handed back by that
+        run once its read ends; without, nothing writes into `dest` after this returns."""
         total = len(keys)
         if total != len(dest):
             raise ValueError(f"{len(keys)} keys but {len(dest)} destination rows")
         if not total:
             return 0
         runs = max(1, min(self._threads, total))
-        batch = ReadBatch(total, runs, stop_at_miss=True)
+        batch = ReadBatch(total, runs, stop_at_miss=True, done=done)
         for run in range(runs):
             self._readers.submit(self._read_run, batch, keys, dest, run)
         if not batch.wait(self.timeout_s):
             self._timed_out("read", batch.prefix(), total)
         count = batch.prefix()
+        batch.hand_back()
         if count:
             self._note_uses(keys[:count])
         return count
@@ -199,10 +206,19 @@ class DiskTier(LowerTier):
     def _read_run(self, batch: ReadBatch, keys: Sequence[bytes], dest: Sequence[Row], run: int) -> None:
         try:
             for i in range(run, batch.total, batch.runs):
-                if not batch.live(i):
-                    return
-                ok = self._read(keys[i], dest[i], batch, run)
-                batch.finish(i, ok)
+                if batch.done is None:
+                    if not batch.live(i):
+                        return
+                    ok = self._read(keys[i], dest[i], batch, run)
+                    batch.finish(i, ok)
+                else:
+                    if not batch.claim(run, i):
+                        return
+                    ok = False
+                    try:
+                        ok = self._read(keys[i], dest[i], batch, run)
+                    finally:
+                        batch.finish(i, ok, run)  # (hands the row back when the batch was abandoned meanwhile)
                 if not ok:
                     return
         finally:
@@ -312,30 +328,23 @@ class DiskTier(LowerTier):
         return False
 
     def _read(self, key: bytes, row: Row, batch: ReadBatch, run: int) -> bool:
-        """Read and check page `key` into `row` (chunk by chunk through this thread's scratch buffer, copied under
-        the run's guard while the batch is live)."""
+        """Read and check page `key` into `row`: straight into it when lent (`batch.done`), else chunk by chunk
+        through this thread's scratch buffer, copied under the run's guard while the batch is live."""
         path = self._file(key)
         opened = self._open(key, path)
         if isinstance(opened, bool):
             return opened
         fd, info = opened
         parts = payload_parts(row)
-        scratch = self._chunk_buffer()  # [header room | chunk]
         try:
-            n = read_all(fd, scratch[: HEADER_SIZE + min(CHUNK, self.row_bytes)], 0)  # the header and a first chunk
-            header, chunk, got = bytes(scratch[: min(n, HEADER_SIZE)]), scratch[HEADER_SIZE:n], 0
-            while chunk:
-                with batch.guards[run]:
-                    if batch.abandoned:
-                        return False
-                    scatter(parts, got, chunk)
-                got += len(chunk)
-                if got == self.row_bytes:
-                    break
-                n = read_all(
-                    fd, scratch[HEADER_SIZE : HEADER_SIZE + min(CHUNK, self.row_bytes - got)], HEADER_SIZE + got
-                )
-                chunk = scratch[HEADER_SIZE : HEADER_SIZE + n]
+            if batch.done is not None:
+                header, got = read_lent(fd, self._buffer("header", HEADER_SIZE), parts)
+            else:
+                read = read_through(fd, self._buffer("chunk", HEADER_SIZE + min(CHUNK, self.row_bytes)), parts,
+                                    self.row_bytes, batch, run)  # fmt: skip
+                if read is None:  # abandoned
+                    return False
+                header, got = read
         except OSError as exc:
             return self._read_failed(path, exc)
         finally:
@@ -347,11 +356,12 @@ class DiskTier(LowerTier):
             return True
         return self._refuse(key, path, reason or "short file", info)
 
-    def _chunk_buffer(self) -> memoryview:
-        """This reader thread's scratch buffer: a header, then a chunk of payload."""
-        buffer: memoryview | None = getattr(self._scratch, "buffer", None)
+    def _buffer(self, name: str, size: int) -> memoryview:
+        """This reader thread's buffer `name` of `size` bytes."""
+        buffer: memoryview | None = getattr(self._scratch, name, None)
         if buffer is None:
-            buffer = self._scratch.buffer = memoryview(bytearray(HEADER_SIZE + min(CHUNK, self.row_bytes)))
+            buffer = memoryview(bytearray(size))
+            setattr(self._scratch, name, buffer)
         return buffer
 
     def _read_failed(self, path: str, exc: OSError) -> bool:
@@ -390,8 +400,11 @@ class DiskTier(LowerTier):
             future.add_done_callback(self._inflight.discard)
 
     def _write_job(self, keys: list[bytes], rows: list[Row], index: list[int], done: Done, framed: bool) -> None:
-        for key, row, i in zip(keys, rows, index, strict=True):
-            self._write(key, row, i, done, framed)
+        """Write the pages in groups: each group reserved under one journal lock and recorded stored under one
+        more (a group is at most a `threads`-th of the cap, so the pages written side by side still fit it)."""
+        size = max(1, min(len(keys), self.capacity // self._threads))
+        for lo in range(0, len(keys), size):
+            self._write_group(keys[lo : lo + size], rows[lo : lo + size], index[lo : lo + size], done, framed)
 
     @staticmethod
     def _regular(path: str) -> bool:
@@ -400,64 +413,83 @@ class DiskTier(LowerTier):
         except OSError:
             return False
 
-    def _write(self, key: bytes, row: Row, i: int, done: Done, framed: bool = False) -> None:
-        path = self._file(key)
-        tmp = f"{path[:-5]}.{threading.get_ident()}.tmp"
-        start = time.perf_counter()
-        reserved = False
+    def _present(self, key: bytes) -> bool:
+        """Nothing to write for `key`: its file is there and this tier has not refused it (a page it refused
+        is written over; a file deleted behind the index, by an operator or lost, is written again)."""
+        return key not in self._refused and self._regular(self._file(key))
+
+    def _write_group(self, keys: list[bytes], rows: list[Row], index: list[int], done: Done, framed: bool) -> None:
+        """Reserve the pages not stored (checked without the lock first, then under it), write each to a
+        temporary file renamed into place, record the written ones stored; ``done(i)`` for every page at the
+        end. A page whose write fails is counted and its reservation abandoned; the others go on."""
         try:
-            # stored and its file there (not refused by this tier): nothing to write; a file deleted behind the
-            # index (an operator, a lost file) is written again. Checked without the lock first, then under it.
-            rewrite = key in self._refused
-            if not rewrite and key in self._index and self._regular(path):
-                return
-            victims = self._index.reserve(key, None if rewrite else lambda: self._regular(path))
-            if victims is None:
+            wanted = [key for key in keys if not (key in self._index and self._present(key))]
+            try:
+                todo, victims = self._index.reserve_all(wanted, self._present) if wanted else ([], [])
+            except OSError as exc:  # the journal's lock stayed busy: nothing reserved, nothing written
+                for _ in wanted:
+                    self._write_failed(exc)
                 return
             self._evict(victims)
-            reserved = True
-            if framed:
-                assert isinstance(row, memoryview)
-                seal(row, key, self.fingerprint, self.hash_algo, self.mac_key)
-                buffers: list[bytes | memoryview] = [row]
-            else:
-                header = encode_header(key, row, self.fingerprint, self.hash_algo, self.mac_key)
-                buffers = [header, *payload_parts(row)]
-            if os.path.islink(os.path.dirname(path)):
-                raise OSError(errno.ELOOP, "the bucket directory is a symbolic link; not written through it")
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)  # a leftover of this thread's interrupted write (or something planted there)
-            try:
-                fd = os.open(tmp, _CREATE, 0o644)
-            except FileNotFoundError:  # the first page of this bucket (or its directory was removed)
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd = os.open(tmp, _CREATE, 0o644)
-            try:
-                write_all(fd, buffers)  # one write(v) for header and row
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)  # (over a page this tier refused, too)
-            self._evict(self._index.stored(key))
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            if reserved:
-                self._index.abandon(key, lambda: os.path.isfile(path))
-            self.stats.add(errors=1, skipped_writes=1)
-            full = exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-            self._log.error("full" if full else "write",
-                            f"disk tier: {'disk full' if full else 'write failed'} ({exc}); pages are not written "
-                            "to disk until it recovers, serving continues")  # fmt: skip
-        else:
-            with self._lock:
-                self._refused.pop(key, None)
-            self.stats.add(pages_stored=1, bytes_stored=self.row_bytes)
-            self.stats.observe("store", time.perf_counter() - start)
-            self._log.recovered("full", "disk tier: writes succeed again")
-        finally:
-            with self._lock:
-                self._writing.discard(key)
+            rows_of = dict(zip(keys, rows, strict=True))
+            written: list[bytes] = []
+            took: list[float] = []
+            for key in todo:
+                start = time.perf_counter()
+                path = self._file(key)
+                tmp = f"{path[:-5]}.{threading.get_ident()}.tmp"
+                try:
+                    self._write_file(key, rows_of[key], path, tmp, framed)
+                except OSError as exc:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    self._index.abandon(key, functools.partial(os.path.isfile, path))
+                    self._write_failed(exc)
+                else:
+                    written.append(key)
+                    took.append(time.perf_counter() - start)
+            if written:
+                try:
+                    self._evict(self._index.stored_all(written))
+                except OSError as exc:  # the files are in place, reserved in the index: counted as failed writes
+                    for key in written:
+                        self._index.abandon(key, functools.partial(os.path.isfile, self._file(key)))
+                        self._write_failed(exc)
+                    written = []
+            if written:
+                with self._lock:
+                    for key in written:
+                        self._refused.pop(key, None)
+                self.stats.add(pages_stored=len(written), bytes_stored=len(written) * self.row_bytes)
+                for seconds in took:
+                    self.stats.observe("store", seconds)
+                self._log.recovered("full", "disk tier: writes succeed again")
+        finally:  # (whatever happened: each row is handed back, each page no longer being written)
+            self._release(keys, index, done)
+
+    def _release(self, keys: list[bytes], index: list[int], done: Done) -> None:
+        with self._lock:
+            self._writing.difference_update(keys)
+        for i in index:
             done(i)
+
+    def _write_file(self, key: bytes, row: Row, path: str, tmp: str, framed: bool) -> None:
+        """Page `key` (header + `row`) written to `tmp` with one write(v) and renamed to `path`."""
+        if framed:
+            assert isinstance(row, memoryview)
+            seal(row, key, self.fingerprint, self.hash_algo, self.mac_key)
+            buffers: list[bytes | memoryview] = [row]
+        else:
+            header = encode_header(key, row, self.fingerprint, self.hash_algo, self.mac_key)
+            buffers = [header, *payload_parts(row)]
+        write_file(path, tmp, buffers)
+
+    def _write_failed(self, exc: OSError) -> None:
+        self.stats.add(errors=1, skipped_writes=1)
+        full = exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+        self._log.error("full" if full else "write",
+                        f"disk tier: {'disk full' if full else 'write failed'} ({exc}); pages are not written "
+                        "to disk until it recovers, serving continues")  # fmt: skip
 
     def _evict(self, victims: list[bytes]) -> None:
         """Delete the files of pages the index evicted (no longer indexed) and count them."""

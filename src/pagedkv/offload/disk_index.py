@@ -22,7 +22,9 @@ new generation) once it holds many more records than pages; a process that
 sees another generation or another file reloads it.
 
 Single-process cost: one `flock`, one `stat` and a short `pread` / `pwrite` per
-reserve, store and `flush` of reads (reads only note their pages in memory);
+reserve, store and `flush` of reads (reads only note their pages in memory),
+and a writer reserves (`reserve_all`) and records (`stored_all`) a group of
+pages with one each;
 never a directory scan (only at start, `reconcile`). A journal that cannot be used (a link or a FIFO planted at its
 name, no permission) is logged once and the index is this process's alone, as
 if it were the only writer. A lock held past `timeout_s` (a stopped or
@@ -41,7 +43,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 __all__ = ["JOURNAL", "DiskIndex", "scan"]
 
@@ -81,6 +83,7 @@ class DiskIndex:
         self._pos = 0  # bytes of the journal applied
         self._uses: OrderedDict[bytes, None] = OrderedDict()  # reads not yet recorded (the lock was busy)
         self._uses_lock = threading.Lock()
+        self._out: list[bytes] = []  # records of the operation under the lock, written when it ends (one pwrite)
 
     # ----------------------------------------------------------------- queries
     def __len__(self) -> int:
@@ -118,6 +121,26 @@ class DiskIndex:
                 return None
             self._put(key, self._pages.get(key, False))
             return self._trim(len(self._pages))
+
+    def reserve_all(
+        self, keys: Sequence[bytes], present: Callable[[bytes], bool] | None = None
+    ) -> tuple[list[bytes], list[bytes]]:
+        """`reserve` for each of `keys` (distinct), in order, under one lock and with one journal write: returns
+        (the keys reserved, victims). A key that is stored and `present(key)` is left out (nothing to write).
+        TimeoutError, changing nothing, when the lock stays busy."""
+        with self._locked():
+            todo = [k for k in keys if present is None or not (self._pages.get(k, False) and present(k))]
+            for key in todo:
+                self._put(key, self._pages.get(key, False))
+            return todo, self._trim(len(self._pages))
+
+    def stored_all(self, keys: Sequence[bytes]) -> list[bytes]:
+        """`stored` for each of `keys`, in order, under one lock and with one journal write; returns the victims
+        (evicted once all of them count). TimeoutError, changing nothing, when the lock stays busy."""
+        with self._locked():
+            for key in keys:
+                self._put(key, True)
+            return self._trim(len(self._pages) - self._reserved)
 
     def stored(self, key: bytes) -> list[bytes]:
         """`key`'s file is in place: mark it stored (again, if another process removed it meanwhile), the most
@@ -218,6 +241,7 @@ class DiskIndex:
                 self._append(records)
                 yield fd is not None
             finally:
+                self._write_out()
                 if fd is not None and self._fd is not None:  # (a compaction moved the lock to the new file)
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
         finally:
@@ -326,9 +350,15 @@ class DiskIndex:
                 pages.move_to_end(key)
 
     def _append(self, records: list[bytes]) -> None:
-        """Write `records` at the end of what was applied (over a torn record, if any); compact a long journal.
-        A write that fails (a full disk) is logged, and the journal is rewritten from this index at the next
-        lock that can: the index itself stays right for this process."""
+        """Queue `records` for the journal: written in one go when the lock is released (`_write_out`)."""
+        if self._shared:
+            self._out.extend(records)
+
+    def _write_out(self) -> None:
+        """Write the queued records at the end of what was applied (over a torn record, if any); compact a long
+        journal. A write that fails (a full disk) is logged, and the journal is rewritten from this index at the
+        next lock that can: the index itself stays right for this process."""
+        records, self._out = self._out, []
         fd = self._fd if self._shared else None
         if fd is None or not records:
             return
@@ -346,7 +376,8 @@ class DiskIndex:
             return
         self._pos += len(data)
         if (self._pos - _HEADER.size) // RECORD > 2 * len(self._pages) + 4096:
-            self._compact()
+            with contextlib.suppress(OSError):  # (a failed compaction leaves the journal as it is: still valid)
+                self._compact()
 
     def _compact(self) -> None:
         """Rewrite the journal as one record per page with a new generation, renamed into place (a crash
@@ -377,6 +408,7 @@ class DiskIndex:
             os.close(old)
         self._file, self._generation, self._pos = (info.st_dev, info.st_ino), generation, len(data)
         self._dirty = False
+        self._out.clear()  # (the new journal holds every page as the index has it)
 
     def close(self) -> None:
         """Release the journal's file descriptor."""

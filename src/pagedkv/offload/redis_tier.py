@@ -59,7 +59,7 @@ from pagedkv.offload.format import (
     tier_namespace,
 )
 from pagedkv.offload.redis_client import client_factory, import_redis, is_cluster, redis_client, unlink_prefix, where
-from pagedkv.offload.tier import Done, LowerTier, OnceLogger, Row, check_framed
+from pagedkv.offload.tier import Done, LowerTier, OnceLogger, Row, check_framed, hand_back
 
 __all__ = ["FETCH_CHUNK_BYTES", "RedisTier", "redis_client"]
 
@@ -148,9 +148,16 @@ class RedisTier(LowerTier):
             self._log.recovered("down", f"redis tier: {self._where} answers again; pages are shared again")
 
     # ----------------------------------------------------------------- reads
-    def fetch(self, keys: Sequence[bytes], dest: Sequence[Row]) -> int:
+    def fetch(self, keys: Sequence[bytes], dest: Sequence[Row], done: Done | None = None) -> int:
+        """Reads end with the call (socket timeouts): rows lent with `done` are all handed back before it returns."""
         if len(keys) != len(dest):
             raise ValueError(f"{len(keys)} keys but {len(dest)} destination rows")
+        try:
+            return self._fetch(keys, dest)
+        finally:
+            hand_back(done, len(dest))
+
+    def _fetch(self, keys: Sequence[bytes], dest: Sequence[Row]) -> int:
         if not keys or not self.available:
             return 0
         started = time.monotonic()

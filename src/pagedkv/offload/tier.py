@@ -9,18 +9,21 @@ and reports a miss, so the engine recomputes instead of failing. Every read
 is bounded in time. A page it cannot verify is a miss for it, counted
 (`stats.refused`) and never deleted by it; only a later `store` of that page
 by the same tier writes over it. Pages live in a namespace of their layout
-and signing key (`format.tier_namespace`).
+and signing key (`format.tier_namespace`). A caller that can leave a row
+unused a while longer lends it to `fetch` (``done=``), so the page is read
+straight into it instead of through the tier's buffers.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 from pagedkv.core.tier_stats import TierStats
 
-__all__ = ["LowerTier", "OnceLogger", "Row", "check_framed"]
+__all__ = ["Done", "LentRows", "LowerTier", "OnceLogger", "Row", "check_framed", "hand_back"]
 
 Done = Callable[[int], None]
 Row = memoryview | list[memoryview] | tuple[memoryview, ...]  # one page's bytes: one view, or its parts
@@ -32,6 +35,39 @@ def check_framed(rows: Sequence[Row], page_bytes: int) -> None:
     for row in rows:
         if not isinstance(row, memoryview) or row.nbytes != page_bytes or row.readonly or not row.c_contiguous:
             raise ValueError(f"a framed row must be one writable view of {page_bytes} bytes (header room + payload)")
+
+
+def hand_back(done: Done | None, count: int) -> None:
+    """``done(i)`` for rows 0 .. count-1: what a tier whose reads end with the call owes a caller that lent them."""
+    if done is not None:
+        for i in range(count):
+            done(i)
+
+
+class LentRows:
+    """The caller's side of one `LowerTier.fetch` with lent rows: pass `done`; at the fetch's end `out()` is the set of
+    rows the tier has not handed back (it still may write into them), and `late(i)` is called for each of them when
+    the tier hands it back (on the tier's thread)."""
+
+    def __init__(self, late: Done | None = None) -> None:
+        self._late = late
+        self._lock = threading.Lock()
+        self._back: set[int] = set()
+        self._over = False  # the fetch returned
+
+    def done(self, i: int) -> None:
+        with self._lock:
+            if not self._over:
+                self._back.add(i)
+                return
+        if self._late is not None:
+            self._late(i)
+
+    def out(self, total: int) -> set[int]:
+        """At the fetch's end (`total` rows lent): the rows not handed back yet."""
+        with self._lock:
+            self._over = True
+            return set(range(total)) - self._back
 
 
 class OnceLogger:
@@ -61,10 +97,18 @@ class LowerTier(ABC):
     stats: TierStats
 
     @abstractmethod
-    def fetch(self, keys: Sequence[bytes], dest: Sequence[Row]) -> int:
+    def fetch(self, keys: Sequence[bytes], dest: Sequence[Row], done: Done | None = None) -> int:
         """Read the pages of the longest prefix of `keys` the tier holds into `dest` (one writable
         row view per key), checking header and checksum; stop at the first missing or refused page.
-        Returns how many leading rows of `dest` hold valid pages."""
+        Returns how many leading rows of `dest` hold valid pages.
+
+        Without `done`, nothing writes into `dest` once this returns (a tier whose reads can outlive
+        the call, the disk's, reads through its own buffers). With `done` the caller lends the rows:
+        the tier may read straight into them and calls ``done(i)`` exactly once for every row i, once
+        it will not write into row i any more; before returning for every row but those whose read
+        the tier gave up waiting for (those are misses), which it hands back later, from its own
+        thread, when the read ends. Until ``done(i)`` the caller must not reuse row i; rows past the
+        returned count hold nothing valid either way."""
 
     @abstractmethod
     def contains(self, keys: Sequence[bytes]) -> list[bool]:

@@ -36,7 +36,7 @@ from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.tier_stats import TierStats
 from pagedkv.integrations.vllm.blocks import BlockMover
 from pagedkv.offload.format import HEADER_SIZE
-from pagedkv.offload.tier import LowerTier, Row
+from pagedkv.offload.tier import LentRows, LowerTier, Row
 
 __all__ = ["TierSet"]
 
@@ -88,6 +88,13 @@ class TierSet:
             rows = self._local.rows = self._new(n)
         return rows
 
+    def _moved(self, rows: torch.Tensor, valid: int) -> torch.Tensor:
+        """A new load buffer for this thread holding the first `valid` rows of `rows` (which a tier may still
+        write into past them: it is dropped, the tier's views keep it alive)."""
+        fresh = self._local.rows = self._new(rows.shape[0])
+        fresh[:valid].copy_(rows[:valid])
+        return fresh
+
     def _save_staging(self, n: int) -> torch.Tensor:
         """A free save buffer of at least `n` rows (reused once its writes are done), else a new one."""
         with self._cond:
@@ -131,7 +138,14 @@ class TierSet:
         while found < len(keys) and progress:
             progress = False
             for tier in self.tiers:
-                got = tier.fetch(keys[found:], views[found:])
+                if rows is None:  # the KV cache's own blocks: nothing may write into them after the call
+                    got = tier.fetch(keys[found:], views[found:])
+                else:  # this thread's staging rows are lent (read straight into them)
+                    lent = LentRows()
+                    got = tier.fetch(keys[found:], views[found:], done=lent.done)
+                    if lent.out(len(keys) - found):  # a read the tier gave up on may still write: the buffer is
+                        rows = self._moved(rows, found + got)  # left to it; this load and the next use another
+                        views = list(self._views(rows, len(keys)))
                 tier.stats.add(lookups=len(keys) - found, pages_loaded=got, bytes_loaded=got * self.row_bytes)
                 found += got
                 progress = progress or got > 0
