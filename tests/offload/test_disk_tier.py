@@ -202,15 +202,7 @@ def test_a_read_that_blocks_is_abandoned_and_never_writes_late(tmp_path: Path, m
     key, row = bytes([9]) * 32, bytes(range(64))
     tier.store([key], [memoryview(row)], lambda i: None)
     tier.wait()
-    page, real, stuck, release = str(tier.path(key)), os.preadv, threading.Event(), threading.Event()
-
-    def preadv(fd: int, buffers: Any, offset: int) -> int:
-        if os.readlink(f"/proc/self/fd/{fd}") == page and not release.is_set():
-            stuck.set()
-            release.wait(60)
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", preadv)
+    stuck, release = stuck_reads(monkeypatch, str(tier.path(key)))
     dest = bytearray(64)
     got: list[int] = []
     thread = threading.Thread(target=lambda: got.append(tier.fetch([key], [memoryview(dest)])), daemon=True)
@@ -229,7 +221,7 @@ def test_a_read_that_blocks_is_abandoned_and_never_writes_late(tmp_path: Path, m
     tier.shutdown()
 
 
-def _stuck_reads(monkeypatch: Any, page: str) -> tuple[threading.Event, threading.Event]:
+def stuck_reads(monkeypatch: Any, page: str) -> tuple[threading.Event, threading.Event]:
     """`preadv` of `page` waits until the second event is set (the first tells that it started): a file system
     that stops answering in the middle of that page."""
     real, stuck, release = os.preadv, threading.Event(), threading.Event()
@@ -270,7 +262,7 @@ def test_a_lent_row_whose_read_is_abandoned_is_handed_back_once_the_read_ends(tm
     keys, rows = [bytes([9]) * 32, bytes([10]) * 32], [bytes(range(64)), bytes(range(1, 65))]
     tier.store(keys, [memoryview(r) for r in rows], lambda i: None)
     tier.wait()
-    stuck, release = _stuck_reads(monkeypatch, str(tier.path(keys[0])))
+    stuck, release = stuck_reads(monkeypatch, str(tier.path(keys[0])))
     dest = [bytearray(64), bytearray(64)]
     back: list[tuple[int, str]] = []
     handed = threading.Event()

@@ -8,15 +8,14 @@ leave no pinned host row, no leaked page and no wrong KV behind.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
 import pytest
 import torch
+from test_disk_tier import stuck_reads
 from test_host_tier import LAYOUTS, keys, pages, scramble
 
 from helpers import ctx, decode, make_params, serve
@@ -188,15 +187,7 @@ def test_a_host_row_lent_to_an_abandoned_disk_read_stays_pinned_until_handed_bac
     conn.flush()
     conn.host.index.clear()  # only the disk holds them now
     assert conn.host.index.available() == 4
-    page, real, stuck, release = str(disk.path(keys("b")[0])), os.preadv, threading.Event(), threading.Event()
-
-    def preadv(fd: int, buffers: Any, offset: int) -> int:
-        if os.readlink(f"/proc/self/fd/{fd}") == page and not release.is_set():
-            stuck.set()
-            release.wait(60)
-        return real(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", preadv)
+    stuck, release = stuck_reads(monkeypatch, str(disk.path(keys("b")[0])))
     assert conn.load([7, 8], keys("a", "b")) == 1 and stuck.is_set()  # page b's read was abandoned
     assert conn.host.index.available() == 2  # a's row (pinned until copied) and b's (lent to the stuck read)
     conn.complete_loads()

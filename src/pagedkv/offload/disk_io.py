@@ -209,13 +209,7 @@ def _tail(views: list[memoryview], skip: int) -> list[memoryview]:
 
 def read_all(fd: int, buffer: memoryview, offset: int) -> int:
     """Read the file from `offset` into `buffer` until it is full or the file ends; returns the bytes read."""
-    total = 0
-    while total < len(buffer):
-        n = os.preadv(fd, [buffer[total:]], offset + total)
-        if not n:
-            break
-        total += n
-    return total
+    return readv_all(fd, [buffer], offset)
 
 
 def head(parts: list[memoryview], nbytes: int) -> list[memoryview]:

@@ -183,8 +183,8 @@ def parse_completion(body: Any, engine: Any) -> dict[str, Any]:
     if bad is not None:
         raise BadRequestError(f"prompt[{bad}]={prompt[bad]!r} is not a token id (an int)", "prompt")
     vocab = getattr(getattr(engine.model, "config", None), "vocab_size", None)
-    if isinstance(vocab, int) and not all(0 <= t < vocab for t in prompt):
-        bad = next(i for i, t in enumerate(prompt) if not 0 <= t < vocab)
+    bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None) if isinstance(vocab, int) else None
+    if bad is not None:
         raise BadRequestError(f"prompt[{bad}]={prompt[bad]} is outside the model's vocabulary [0, {vocab})", "prompt")
     max_tokens = _int_field(body, "max_tokens", 16, 1, INT32_MAX)
     salt = body.get("cache_salt")
