@@ -121,9 +121,10 @@ def test_imports_flow_one_way(module: str, path: Path) -> None:
 
 def test_files_hold_one_responsibility() -> None:
     """A file is as long as its one responsibility needs: a class is never split into mixins to keep
-    files short, so no file should grow past about 600 lines either."""
-    big = {m: n for m, p in _modules() if (n := len(p.read_text().splitlines())) > 600}
-    assert not big, f"modules over 600 lines: {big}"
+    files short. About 500 lines is the target (a review note, docs/DEVELOPERS.md); 700 is where a file
+    has surely grown a second responsibility."""
+    big = {m: n for m, p in _modules() if (n := len(p.read_text().splitlines())) > 700}
+    assert not big, f"modules over 700 lines: {big}"
 
 
 def _import_graph() -> dict[str, set[str]]:

@@ -7,7 +7,7 @@ from helpers import ctx
 from pagedkv.core.checkpoints import RunCopy, run_key
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.events import BlockRemoved, BlockStored
-from pagedkv.core.managers import FullAttentionManager, MambaManager
+from pagedkv.core.groups import FullAttentionManager, MambaManager
 from pagedkv.core.partial_pages import PageCopy
 
 PS = 4

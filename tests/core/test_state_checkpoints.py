@@ -10,7 +10,7 @@ from helpers import ctx, snapshot
 from pagedkv.core.checkpoints import StateCopy, checkpoint_key
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.managers import FullAttentionManager, MambaManager, SlidingWindowManager
+from pagedkv.core.groups import FullAttentionManager, MambaManager, SlidingWindowManager
 from pagedkv.core.partial_pages import PageCopy
 
 PS = 4

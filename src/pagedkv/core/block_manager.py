@@ -29,10 +29,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pagedkv.core.block_pool import BlockPool
+from pagedkv.core.checkpoints import RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.checks import check_manager_args, check_tables
 from pagedkv.core.context import RequestID, Retention, TextContext, as_token_array
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.events import BlockHooks
+from pagedkv.core.events import BlockHooks, BlockRemoved, EventSink
 from pagedkv.core.hashing import BlockHash, PrefixHasher, check_salt
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy, Partial, make_partial_pages
@@ -46,12 +47,19 @@ from pagedkv.core.tables import (
     claimed_states,
     more_keys,
 )
+from pagedkv.core.tier_hits import TierGroups
 
 __all__ = ["BlockManager"]
 
 
 class BlockManager:
-    """Request page tables, prefix caching and metrics of one replica. Holds no tensors."""
+    """Request page tables, prefix caching and metrics of one replica whose caches are one full-attention
+    group (a `ReplicaBookkeeping`). Holds no tensors."""
+
+    states: StateCheckpoints | None = None  # (no recurrent state)
+    num_tables = 1
+    tiers_by_hash = True
+    tier_groups = TierGroups([0], [0], -1)
 
     def __init__(
         self,
@@ -457,8 +465,8 @@ class BlockManager:
         """End the want `expect` recorded for `request_id` (no-op when there is none)."""
         self.wants.unexpect(request_id)
 
-    def get_req_blocks(self, request_id: RequestID) -> list[int]:
-        """The page ids of `request_id` in logical order (``[null]`` for a dummy)."""
+    def get_req_blocks(self, request_id: RequestID, group: int = 0) -> list[int]:
+        """The page ids of `request_id` in logical order (``[null]`` for a dummy); `group` is 0 (one table)."""
         st = self._reqs.get(request_id)
         if st is None:
             raise ValueError(f"request {request_id!r} is not claimed")
@@ -490,6 +498,24 @@ class BlockManager:
         """
         return build_tables(self._reqs, batch, self.page_size, self.num_speculative_tokens, self.pool.null_block,
                             max_cache_length)  # fmt: skip
+
+    def build_group_tables(self, batch: list[TextContext], max_cache_length: int | None = None) -> list[BatchTables]:
+        """`build_tables` as the one group's entry."""
+        return [self.build_tables(batch, max_cache_length)]
+
+    def checkpoint_cut(self, request_id: RequestID) -> int | None:
+        """None: no recurrent state, no checkpoint (ValueError unless `request_id` is claimed)."""
+        self._claimed(request_id)
+        return None
+
+    def take_state_copies(self) -> tuple[list[StateCopy | RunCopy], list[PageCopy]]:
+        """Nothing: no recurrent state."""
+        return [], []
+
+    def set_event_sink(self, emit: EventSink | None) -> None:
+        """Send KV events (pages committed and evicted) to `emit`; None stops them."""
+        self.hooks.emit = emit
+        self.pool.on_removed = None if emit is None else (lambda h, g: emit(BlockRemoved([h], "GPU", g)))
 
     # ------------------------------------------------------------------ invariants
     def check_integrity(self) -> None:

@@ -16,7 +16,7 @@ step / release, atomic alloc, tail-first release) and adds, per group:
 
 Recurrent state groups (`MambaManager`) take rows of a second pool that also keeps state checkpoints
 (`checkpoints.StateCheckpoints`, `state_hits`): their hits need a checkpoint exactly at the resume point. The structure is vLLM's `KVCacheCoordinator`: one `BlockPool`, one page-policy manager per group
-(`managers.GroupManager`) and every request's tables (`hybrid_state.HybridRequest`).
+(`groups.GroupManager`) and every request's tables (`hybrid_state.HybridRequest`).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from pagedkv.core import hybrid_state, state_hits
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.checkpoints import Checkpoint, RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.checks import check_hybrid_tables, check_manager_args, check_state_args, check_swap_restore
-from pagedkv.core.context import RequestID, TextContext
+from pagedkv.core.context import RequestID, Retention, TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.errors import require as _require
 from pagedkv.core.events import BlockHooks, BlockRemoved, EventSink
+from pagedkv.core.groups import GroupManager, StepSpan
 from pagedkv.core.hashing import BlockHash, PrefixHasher
 from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, SwappedGroups, find_hit
-from pagedkv.core.managers import GroupManager
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy
 from pagedkv.core.queue_wants import QueueWants
@@ -88,7 +88,7 @@ class KVCacheCoordinator:
         self._cache_tokens = 0
         self._evictions_at_reset = 0
         self.groups = list(groups)
-        self._decoder = [g for g in self.groups if not g.reads_encoder and not g.state_slots]  # token pages
+        self._decoder = [g for g in self.groups if g.holds_tokens]  # a page per decoder token
         self._windowed = [g for g in self.groups if g.lazy]
         self._decoder_ids = [g.group for g in self._decoder]
         self._cacheable_ids = [g.group for g in self.groups if g.cacheable]
@@ -104,6 +104,13 @@ class KVCacheCoordinator:
         if self.states is not None and checkpoint_pages and enable_prefix_caching:  # (their checkpoints' runs too)
             self.wants.extra = lambda ctx, keys: wanted_run(self.states, self.hasher, ctx, keys)  # type: ignore[arg-type]
         self.tier_groups = TierGroups(self._cacheable_ids, self._decoder_ids, (self._state_ids or [-1])[0])
+        self.num_tables = len(self.groups)
+
+    @property
+    def tiers_by_hash(self) -> bool:
+        """Whether pages can go down the tiers by hash: every token group is full attention (a window group's
+        pages are dropped mid-request, so a prefix below would have holes)."""
+        return all(not g.lazy and not g.reads_encoder for g in self.groups if not g.state_slots)
 
     def claim(self, request_id: object, *, dummy: bool = False) -> None:
         """Start tracking `request_id` (no pages yet). A dummy maps to the null page only."""
@@ -244,25 +251,14 @@ class KVCacheCoordinator:
             cut = -1
         last = tokens._prompt_length - 1 if fresh and self.enable_prefix_caching else -1  # (a prompt-end cut: a hit
         last = last if last > processed else -1  # leaves the last token to compute, so it resumes before it)
+        end = tokens.current_position if scheduled is None else min(tokens.current_position, processed + scheduled)
+        span = StepSpan(processed, end, len(tokens), spec, ctx.encoder_length)
+        floor = max(st.shared, hit if hit > st.committed else 0)  # shared pages stay
         drops, new = [], []
         for g, gm in enumerate(self.groups):
             have = st.tables[g].num_pages + len(hit_pages[g])
-            if gm.state_slots:  # rows of the state pool (`StateCheckpoints`), counted in `rows` below
-                drops.append((0, 0))
-                new.append(0)
-                continue
-            if gm.reads_encoder:
-                drops.append((0, 0))
-                new.append(required_pages(ctx.encoder_length, ps) if have == 0 else 0)
-                continue
-            if not gm.lazy:  # full attention: every page stays
-                drops.append((0, 0))
-                new.append(max(0, required_pages(len(tokens) + spec, ps) - have))
-                continue
-            keep = max(st.dropped[g], st.shared, hit if hit > st.committed else 0)  # shared pages stay
-            drops.append((keep, max(st.dropped[g], keep, min(gm.droppable_pages(processed), have))))
-            end = tokens.current_position if scheduled is None else min(tokens.current_position, processed + scheduled)
-            new.append(max(0, required_pages(end + spec, ps) - have))
+            drops.append(gm.drop_range(st.dropped[g], floor, processed, have))
+            new.append(gm.pages_to_add(have, span))
         rows = states.slots if fresh and states is not None else 0
         return Plan(hit, hit_pages, new_keys, digest, drops, new, pins, checkpoint, rows, cut, end=last)
 
@@ -417,8 +413,7 @@ class KVCacheCoordinator:
         null, freed = self.pool.null_block, list[int]()
         for gm in self._windowed:
             g, table = gm.group, st.tables[gm.group]
-            keep = max(st.dropped[g], st.shared)
-            hi = max(keep, min(gm.droppable_pages(processed), table.num_pages))
+            keep, hi = gm.drop_range(st.dropped[g], st.shared, processed, table.num_pages)
             end = min(hi, table.num_pages)
             freed.extend(p for p in table.pages[keep:end].tolist() if p != null)
             table.pages[keep:end] = null
@@ -453,20 +448,12 @@ class KVCacheCoordinator:
         if n_commit > len(st.hashes):
             keys, st.digest = more_keys(self.hasher, st, ctx, n_commit)
             st.hashes.extend(keys)
-        null, commit, lo = self.pool.null_block, self.pool.commit, st.committed
+        lo, pool, hashes = st.committed, self.pool, st.hashes
         if self.hooks.emit is not None or self.hooks.offloads is not None:
             for g in self._cacheable_ids:
-                self.hooks.committed(st.hashes, lo, n_commit, ctx.tokens.all, self.page_size, g, self.groups[g].kind)
-        for g in self._cacheable_ids:
-            table = st.tables[g]
-            hi = min(n_commit, table.num_pages)
-            pages = [int(table.pages[lo])] if hi == lo + 1 else table.pages[lo:hi].tolist()
-            for i, page in enumerate(pages, lo):
-                if page != null:
-                    used = commit(page, st.hashes[i], g)
-                    if used != page:  # merged into a cached copy: this prefix is shared
-                        st.shared = max(st.shared, i + 1)
-                        table.pages[i] = used
+                self.hooks.committed(hashes, lo, n_commit, ctx.tokens.all, self.page_size, g, self.groups[g].kind)
+        for gm in self.groups:
+            st.shared = max(st.shared, gm.commit(pool, st.tables[gm.group], hashes, lo, n_commit))
         st.committed = n_commit
 
     # ----------------------------------------------------------------- swap preemption
@@ -576,6 +563,14 @@ class KVCacheCoordinator:
         self.pool.on_removed = removed
         if self.states is not None:
             self.states.emit = emit
+
+    def take_page_copies(self) -> list[PageCopy]:
+        """Nothing: partial-page reuse is not offered for several groups."""
+        return []
+
+    def pin_prefix(self, tokens: object, retention: Retention, cache_salt: str | None = None) -> int:
+        """ValueError: pinning a prefix needs a single-group model."""
+        raise ValueError("pin_prefix needs a single-group model; this manager has several KV cache groups")
 
     def take_state_copies(self) -> tuple[list[StateCopy | RunCopy], list[PageCopy]]:
         """Pending data moves of state checkpoints, in order (saves, restores' rows and tail slots); the

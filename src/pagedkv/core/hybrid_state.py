@@ -9,16 +9,14 @@ from typing import Any
 
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.context import TextContext
+from pagedkv.core.groups import FAR, GroupManager
 from pagedkv.core.hashing import BlockHash
-from pagedkv.core.managers import GroupManager
 from pagedkv.core.tables import BatchTables, RequestPages, assemble_tables, required_pages
 
 __all__ = [
     "FAR", "HybridRequest", "Plan", "SwappedGroups", "find_hit", "group_tables", "prefix_misses", "release_order", "restore_request",
     "snapshot_request",
 ]  # fmt: skip
-
-FAR = 1 << 62  # a token position no request reaches
 
 
 @dataclass(slots=True, eq=False)

@@ -21,7 +21,7 @@ import logging
 import math
 
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.managers import FullAttentionManager, MLAAttentionManager, manager_for
+from pagedkv.core.groups import FullAttentionManager, MLAAttentionManager, manager_for
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params import KVCacheParams, KVConnectorType
 from pagedkv.validation import check_int

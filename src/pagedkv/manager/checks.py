@@ -11,7 +11,6 @@ from operator import attrgetter
 from typing import Any
 
 from pagedkv.core.context import TextContext, check_request_id
-from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.tables import check_batch
 from pagedkv.manager import hybrid
 from pagedkv.multi_params import MultiKVCacheParams
@@ -148,7 +147,7 @@ def check_step(managers: Sequence[Any], batches: Any) -> None:
 
 def check_group(bm: Any, group: Any) -> None:
     """`get_req_blocks`: `group` indexes the model's page tables."""
-    groups = len(bm.groups) if isinstance(bm, KVCacheCoordinator) else 1
+    groups = bm.num_tables
     if not isinstance(group, int) or isinstance(group, bool):
         raise TypeError(f"group={group!r} must be an int")
     if not 0 <= group < groups:

@@ -18,8 +18,9 @@ import torch
 from pagedkv.core import memory
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.coordinator import KVCacheCoordinator
-from pagedkv.core.managers import manager_for
+from pagedkv.core.groups import manager_for
 from pagedkv.core.memory import is_hybrid
+from pagedkv.core.replica import ReplicaBookkeeping
 from pagedkv.core.tables import BatchTables
 from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params import KVCacheParams
@@ -29,19 +30,13 @@ from pagedkv.runtime.state_buffers import StateCacheBuffer
 from pagedkv.runtime.transfer import tables_to_device
 from pagedkv.state_params import StateCacheParams
 
-ReplicaBookkeeping = BlockManager | KVCacheCoordinator
-"""One data-parallel replica's bookkeeping: a `BlockManager` (every cache full attention) or a
-`KVCacheCoordinator` (several groups); both have the same request lifecycle."""
-
 __all__ = [
-    "ReplicaBookkeeping",
     "commits_on_alloc",
     "is_hybrid",
     "group_names",
     "make_block_manager",
     "allocate_buffers",
     "hybrid_inputs",
-    "replica_tables",
 ]
 
 
@@ -144,10 +139,3 @@ def hybrid_inputs(
 
 def _leaf_buffer(buffer: Any, name: str, single: bool) -> Any:
     return buffer if single else buffer.children[name]
-
-
-def replica_tables(bm: ReplicaBookkeeping, batch: list[Any], max_cache_length: int | None) -> list[BatchTables]:
-    """The group tables of a replica's batch (one entry for a plain `BlockManager`)."""
-    if isinstance(bm, KVCacheCoordinator):
-        return bm.build_group_tables(batch, max_cache_length)
-    return [bm.build_tables(batch, max_cache_length)]
