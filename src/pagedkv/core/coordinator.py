@@ -29,12 +29,12 @@ from pagedkv.core import hybrid_state, state_hits
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.checkpoints import Checkpoint, RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.checks import check_hybrid_tables, check_manager_args, check_state_args, check_swap_restore
-from pagedkv.core.context import RequestID, Retention, TextContext
+from pagedkv.core.context import RequestID, Retention, TextContext, as_token_array
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.errors import require as _require
 from pagedkv.core.events import BlockHooks, BlockRemoved, EventSink
 from pagedkv.core.groups import GroupManager, StepSpan
-from pagedkv.core.hashing import BlockHash, PrefixHasher
+from pagedkv.core.hashing import BlockHash, PrefixHasher, check_salt
 from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, SwappedGroups, find_hit
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy
@@ -569,8 +569,21 @@ class KVCacheCoordinator:
         return []
 
     def pin_prefix(self, tokens: object, retention: Retention, cache_salt: str | None = None) -> int:
-        """ValueError: pinning a prefix needs a single-group model."""
-        raise ValueError("pin_prefix needs a single-group model; this manager has several KV cache groups")
+        """Give the cached pages of the page-aligned prefix of `tokens` (as `cache_salt`'s chain) the priority
+        of `retention` in every cacheable group (SGLang's pinned prefixes; priority 35 unpins): the pages of
+        the longest prefix every group can resume from (`find_hit`), and the cached pages before a window
+        group's window (shorter prefixes need them). Returns the pages of that prefix (positions, not pages
+        per group). State checkpoints keep their own order (not pinned)."""
+        array = as_token_array(tokens)
+        check_salt(cache_salt)
+        n = len(array) // self.page_size
+        keys, _ = self.hasher.extend(array, 0, n, self.hasher.root(cache_salt)) if n else ([], b"")
+        blank = HybridRequest([RequestPages() for _ in self.groups], [0] * len(self.groups))
+        hit, entries, pins = find_hit(self.groups, self.pool, blank, keys, n)
+        null = self.pool.null_block
+        pages = [p for row in entries for p in row if p != null]
+        self.pool.set_priority([*pages, *pins], retention.priority, retention.duration_s)
+        return hit
 
     def take_state_copies(self) -> tuple[list[StateCopy | RunCopy], list[PageCopy]]:
         """Pending data moves of state checkpoints, in order (saves, restores' rows and tail slots); the

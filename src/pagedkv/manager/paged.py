@@ -239,7 +239,8 @@ class PagedKVCacheManager:
     def pin_prefix(self, tokens: Sequence[int], priority: int = 100, duration_s: float | None = None, *,
                    cache_salt: str | None = None, replica_idx: int = 0) -> int:  # fmt: skip
         """Give the cached pages of the page-aligned prefix of `tokens` retention `priority` (0..100; 35 is
-        the default, so 35 unpins) for `duration_s` seconds (None: while cached). Returns pages found."""
+        the default, so 35 unpins) for `duration_s` seconds (None: while cached), in every KV cache group.
+        Returns the pages of the prefix found (for several groups: of the longest prefix each group resumes)."""
         return self._bm(replica_idx).pin_prefix(tokens, Retention(priority, duration_s), cache_salt)
 
     def reset_prefix_cache(self) -> None:
