@@ -188,13 +188,18 @@ class PagedKVCacheManager:
     def step(self, batches: Sequence[Sequence[TextContext]]) -> None:
         """Commit the pages each request has written since the last step (one batch per replica)."""
         checks.check_step(self._managers, batches)  # every replica's batch, before any commit
-        self.tiers.before_step()
+        tiers = self.tiers if self.tiers.active else None  # (no tier, no listener: no tier call at all)
+        if tiers is not None:
+            tiers.before_step()
         for r, (bm, batch) in enumerate(zip(self._managers, batches, strict=True)):
             bm.step_batch(batch)
-            self._apply_state_copies(r)  # checkpoints of this step's states, before the next forward moves them
-            self._checked(bm)
-        self.tiers.push_states()  # (down the tiers before the next alloc may evict them)
-        self.tiers.after_step()
+            if self.num_state_rows:
+                self._apply_state_copies(r)  # checkpoints of this step's states, before the next forward moves them
+            if self.enable_runtime_checks:
+                bm.check_integrity()
+        if tiers is not None:
+            tiers.push_states()  # (down the tiers before the next alloc may evict them)
+            tiers.after_step()
 
     def release(self, request_id: RequestID, replica_idx: int = 0) -> None:
         """Forget `request_id` and free its pages (tail first; cached pages stay hittable)."""
@@ -289,9 +294,10 @@ class PagedKVCacheManager:
             if max_cache_length is None:
                 max_cache_length = batch_characteristics.max_cache_valid_length
         bounds = batch_characteristics
-        for r in range(self.num_replicas):  # restored checkpoints land before the forward reads them
-            self._apply_state_copies(r)  # (then the tiers' loads, which may replace what they restored)
-        self.tiers.before_forward()
+        for r in range(self.num_replicas if self.num_state_rows else 0):  # restored checkpoints land before the
+            self._apply_state_copies(r)  # forward reads them (then the tiers' loads, which may replace them)
+        if self.tiers.active:
+            self.tiers.before_forward()
         if self.hybrid:
             pairs = zip(self._managers, batches, strict=True)
             tables = [

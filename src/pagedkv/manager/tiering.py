@@ -64,6 +64,7 @@ class Tiering:
         self.links: list[CoordinatorTiers] = []  # one per replica of a model of several groups with tiers by hash
         self.state_connectors: list[Any] = []  # the links' state checkpoint connectors
         self.swap_spaces: list[Any] = []  # one `SwapSpace` per replica when a host tier exists
+        self.active = False  # connectors or listeners: False means the per-step calls have nothing to do
         kind = params.kv_connector
         if kind in (None, KVConnectorType.null):
             return
@@ -113,6 +114,7 @@ class Tiering:
                 bm.hooks.offloads = []
                 connector.on_failed_loads = self._forget_unloaded(bm)
             self.connectors.append(connector)
+        self.active = True
         if self.connectors[0].num_host_blocks and not stateful:
             from pagedkv.offload.swap_space import SwapSpace
 
@@ -236,12 +238,14 @@ class Tiering:
     def add_listener(self, listener: Listener) -> None:
         """Call `listener(batch)` for every event batch from now on (device events switch on)."""
         self.listeners.append(listener)
+        self.active = True
         for bm, queue in zip(self.managers, self.queues, strict=True):  # (every group, and state checkpoints)
             bm.set_event_sink(queue.emit)
 
     def remove_listener(self, listener: Listener) -> None:
         """Stop calling `listener`; device events switch off with the last one."""
         self.listeners.remove(listener)
+        self.active = bool(self.connectors or self.listeners)
         if not self.listeners:
             for bm in self.managers:
                 bm.set_event_sink(None)
@@ -272,3 +276,4 @@ class Tiering:
                 link.detach()
             self.connectors, self.state_connectors, self.links = [], [], []
             self.swap_spaces = []
+            self.active = bool(self.listeners)
