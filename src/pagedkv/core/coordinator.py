@@ -15,7 +15,7 @@ step / release, atomic alloc, tail-first release) and adds, per group:
   dropped below `shared` (a hit or a merged commit) stay held outright.
 
 Recurrent state groups (`MambaManager`) take rows of a second pool that also keeps state checkpoints
-(`checkpoints.StateCheckpoints`, `state_hits`): their hits need a checkpoint exactly at the resume point. The structure is vLLM's `KVCacheCoordinator`: one `BlockPool`, one page-policy manager per group
+(`state.checkpoints.StateCheckpoints`, `state_hits`): their hits need a checkpoint exactly at the resume point. The structure is vLLM's `KVCacheCoordinator`: one `BlockPool`, one page-policy manager per group
 (`groups.GroupManager`) and every request's tables (`hybrid_state.HybridRequest`).
 """
 
@@ -27,7 +27,6 @@ from collections.abc import Iterable, Sequence
 
 from pagedkv.core import hybrid_state, state_hits
 from pagedkv.core.block_pool import BlockPool
-from pagedkv.core.checkpoints import Checkpoint, RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.checks import check_hybrid_tables, check_manager_args, check_state_args, check_swap_restore
 from pagedkv.core.context import RequestID, Retention, TextContext
 from pagedkv.core.errors import InsufficientBlocksError
@@ -39,6 +38,7 @@ from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, SwappedGroups, f
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy
 from pagedkv.core.queue_wants import QueueWants
+from pagedkv.core.state.checkpoints import Checkpoint, RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.state_hits import find_state_hit, keeps, plan_fits, release_request, save_due, wanted_run
 from pagedkv.core.tables import (
     BatchTables,
