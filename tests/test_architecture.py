@@ -25,7 +25,11 @@ TORCH_FREE = [  # every bookkeeping module (all of pagedkv.core) and the descrip
     "pagedkv.specs",
     "pagedkv.connector_config",
     "pagedkv.offload.format",
-    *sorted("pagedkv.core." + p.stem for p in (SRC / "core").glob("*.py") if p.stem != "__init__"),
+    *sorted(  # (its subpackages too: core/state)
+        ".".join(p.relative_to(SRC.parent).with_suffix("").parts)
+        for p in (SRC / "core").rglob("*.py")
+        if p.stem != "__init__"
+    ),
 ]
 
 # Lower number = lower layer. A module may import only from its own layer or below.

@@ -13,8 +13,8 @@ import torch
 from helpers import ctx
 from pagedkv import DeviceRef, DType, KVCacheParams, MultiKVCacheParams, PagedKVCacheManager
 from pagedkv.connector_config import KVConnectorConfig
-from pagedkv.core.checkpoints import checkpoint_key
 from pagedkv.core.context import TextContext
+from pagedkv.core.state.checkpoints import checkpoint_key
 from pagedkv.interface import MambaSpec
 from pagedkv.runtime.state_buffers import StateCacheBuffer
 from pagedkv.state_params import StateCacheParams

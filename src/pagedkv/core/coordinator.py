@@ -15,7 +15,7 @@ step / release, atomic alloc, tail-first release) and adds, per group:
   dropped below `shared` (a hit or a merged commit) stay held outright.
 
 Recurrent state groups (`MambaManager`) take rows of a second pool that also keeps state checkpoints
-(`checkpoints.StateCheckpoints`, `state_hits`): their hits need a checkpoint exactly at the resume point. The structure is vLLM's `KVCacheCoordinator`: one `BlockPool`, one page-policy manager per group
+(`state.checkpoints.StateCheckpoints`, `state.resume.StateResume`): their hits need a checkpoint exactly at the resume point. The structure is vLLM's `KVCacheCoordinator`: one `BlockPool`, one page-policy manager per group
 (`groups.GroupManager`) and every request's tables (`hybrid_state.HybridRequest`).
 """
 
@@ -25,9 +25,8 @@ import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from pagedkv.core import hybrid_state, state_hits
+from pagedkv.core import hybrid_state
 from pagedkv.core.block_pool import BlockPool
-from pagedkv.core.checkpoints import Checkpoint, RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.checks import check_hybrid_tables, check_manager_args, check_state_args, check_swap_restore
 from pagedkv.core.context import RequestID, Retention, TextContext, as_token_array
 from pagedkv.core.errors import InsufficientBlocksError
@@ -39,7 +38,8 @@ from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, SwappedGroups, f
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy
 from pagedkv.core.queue_wants import QueueWants
-from pagedkv.core.state_hits import find_state_hit, keeps, plan_fits, release_request, save_due, wanted_run
+from pagedkv.core.state.checkpoints import Checkpoint, RunCopy, StateCheckpoints, StateCopy
+from pagedkv.core.state.resume import StateResume
 from pagedkv.core.tables import (
     BatchTables,
     RequestPages,
@@ -94,15 +94,17 @@ class KVCacheCoordinator:
         self._cacheable_ids = [g.group for g in self.groups if g.cacheable]
         self._state_ids = [g.group for g in self.groups if g.state_slots]
         self.states: StateCheckpoints | None = None  # state rows and checkpoints (models with recurrent state)
+        self.resume: StateResume | None = None  # where those models' requests resume, over `states`
         if slots:
             self.states = StateCheckpoints(num_state_rows, max(slots), self.pool, page_size,
                                            enabled=enable_prefix_caching, eviction_policy=eviction_policy,
                                            run_pages=checkpoint_pages, max_checkpoints=max_state_checkpoints)  # fmt: skip
-            self.states.groups = tuple(self._state_ids)
+            self.resume = StateResume(self.states, self.hasher, self.pool, self.groups, token_groups=self._decoder_ids,
+                                      state_groups=self._state_ids, caching=enable_prefix_caching)  # fmt: skip
         self.tier_link: TierLink | None = None  # the tiers below, asked at a request's first alloc (`tier_hits`)
         self.wants = QueueWants(self.pool, self.hasher)  # waiting requests told by `expect`
-        if self.states is not None and checkpoint_pages and enable_prefix_caching:  # (their checkpoints' runs too)
-            self.wants.extra = lambda ctx, keys: wanted_run(self.states, self.hasher, ctx, keys)  # type: ignore[arg-type]
+        if self.resume is not None and checkpoint_pages and enable_prefix_caching:  # (their checkpoints' runs too)
+            self.wants.extra = self.resume.wanted_run
         self.tier_groups = TierGroups(self._cacheable_ids, self._decoder_ids, (self._state_ids or [-1])[0])
         self.num_tables = len(self.groups)
 
@@ -129,8 +131,14 @@ class KVCacheCoordinator:
         if st is None:
             raise ValueError(f"Attempted to release request ID {request_id!r} but it is not claimed")
         del self._reqs[request_id]
-        release_request(self.states, self.hasher, self.pool, self.groups, st, request_id, self.enable_prefix_caching,
-                        self.tier_groups.decoder, self.tier_groups.state)  # fmt: skip
+        self._free(st, request_id)
+
+    def _free(self, st: HybridRequest, request_id: RequestID) -> None:
+        """Give back every page and state row `st` holds (`StateResume.release`: its last state may be kept)."""
+        if self.resume is not None:
+            self.resume.release(st, request_id)
+        else:
+            hybrid_state.release_pages(self.groups, self.pool, st)
 
     # ----------------------------------------------------------------- alloc
     def alloc(self, ctx: TextContext, num_scheduled_tokens: int | None = None) -> None:
@@ -160,7 +168,8 @@ class KVCacheCoordinator:
         first = self.tier_link is not None and tokens._processed == 0 and not hst.num_pages
         plan = self._plan_alloc(hst, ctx, num_scheduled_tokens)
         if plan.checkpoint is not None:  # the hit's row or tail page may be what is short: adopt or compute
-            fit = plan_fits(self.states, plan, sum(plan.new) - self._available(hst, plan))
+            assert self.resume is not None
+            fit = self.resume.plan_fits(plan, sum(plan.new) - self._available(hst, plan))
             plan = dataclasses.replace(plan, adopt=True) if fit == "adopt" else plan
             plan = plan if fit else self._plan_alloc(hst, ctx, num_scheduled_tokens, checkpoints=False)
         if plan.rows:
@@ -169,7 +178,7 @@ class KVCacheCoordinator:
         need = sum(plan.new)
         if need:
             available = self._available(hst, plan)
-            if need > available and self.states is not None and self.states.reclaim(need - available, *keeps(plan)):
+            if need > available and self.resume is not None and self.resume.reclaim(plan, need - available):
                 available = self._available(hst, plan)  # checkpoints gave their tails' pages back
             if need > available:
                 used, total = self.pool.num_used, self.pool.num_blocks
@@ -180,8 +189,8 @@ class KVCacheCoordinator:
         self.wants.unexpect(ctx.request_id)  # admitted: it holds what it hits, so its want (if any) ends
 
     def restart_holders(self, pages: Iterable[int], rows: Iterable[int] = ()) -> list[RequestID]:
-        """`state_hits.restart_holders` on this coordinator's requests (after tier loads whose copy failed)."""
-        return state_hits.restart_holders(self._reqs, set(pages), set(rows), self)
+        """`hybrid_state.restart_holders` on this coordinator's requests (after tier loads whose copy failed)."""
+        return hybrid_state.restart_holders(self._reqs, self.groups, set(pages), set(rows), self._free)
 
     def _from_tiers(self, st: HybridRequest, ctx: TextContext) -> None:
         """A first alloc's hit extended from the tiers (`tier_hit`): loaded pages committed, tokens skipped."""
@@ -239,10 +248,9 @@ class KVCacheCoordinator:
                     # the attention pages' hit: where a cached prefix diverges from this one (a model of state
                     # layers only has no page to tell where: it saves at prompt ends and releases only)
                     cut = hit * ps if self._cacheable_ids else -1
-                    root = self.hasher.root(ctx.cache_salt)
                     if checkpoints:
-                        checkpoint, hit, hit_pages, pins = find_state_hit(states, self.groups, self.pool, st, ctx,
-                                                                          keys, stop, root)  # fmt: skip
+                        assert self.resume is not None
+                        checkpoint, hit, hit_pages, pins = self.resume.find(st, ctx, keys, stop)
                     else:  # (attention pages alone are no hit: the state must be computed from the start)
                         hit, hit_pages, pins = st.committed, [[] for _ in self.groups], []
         tail = 0 if checkpoint is None else len(checkpoint.tail)
@@ -281,11 +289,8 @@ class KVCacheCoordinator:
             st.committed = plan.hit
             st.shared = max(st.shared, plan.hit)
         if plan.rows:  # the live and draft state rows (a hit's checkpoint held first: no eviction takes it)
-            assert self.states is not None
-            st.root = self.hasher.root(ctx.cache_salt)  # (the weights version its state is computed under)
-            rows = self.states.take_rows(plan.rows, hit, plan.adopt)
-            for g in self._state_ids:
-                st.tables[g].append(rows)
+            assert self.resume is not None
+            self.resume.take_rows(st, ctx, plan)
         skip = plan.hit * ps + (0 if hit is None else len(hit.tail)) - processed
         if skip > 0:
             tokens.skip_processing(skip)
@@ -311,10 +316,8 @@ class KVCacheCoordinator:
             if n:
                 st.tables[g].append(self._take(st, n))
         if hit is not None:  # state row -> live row; the tail's slots -> this request's page `plan.hit`
-            assert self.states is not None
-            tails = [int(st.tables[g].pages[plan.hit]) for g in self._decoder_ids] if len(hit.tail) else []
-            self.states.restore(ctx.request_id, hit, int(st.tables[self._state_ids[0]].pages[0]), tails, plan.adopt)
-            st.superseded.append(hit)
+            assert self.resume is not None
+            self.resume.restore(st, ctx.request_id, plan)
         self._refresh(st)
 
     def _refresh(self, st: HybridRequest) -> None:
@@ -439,10 +442,8 @@ class KVCacheCoordinator:
             n_commit = min(tokens._processed, tokens._len - 1) // ps
             if n_commit > st.committed:
                 self._commit_groups(st, ctx, n_commit)
-            if self.states is not None and st.tables[self._state_ids[0]].num_pages:
-                st.ctx, st.state_at = ctx, tokens._processed  # the step's forward pass left the live state there
-                if st.cut > 0 or st.end > 0:  # a checkpoint is due (a decode step has none)
-                    save_due(self.states, self.hasher, st, ctx, self._decoder_ids, self._state_ids[0])
+            if self.resume is not None:
+                self.resume.stepped(st, ctx)
 
     def _commit_groups(self, st: HybridRequest, ctx: TextContext, n_commit: int) -> None:
         if n_commit > len(st.hashes):
@@ -602,7 +603,5 @@ class KVCacheCoordinator:
         """Raise `IntegrityError` unless pool, prefix caches and every group's tables agree."""
         extra = self.states.tail_refs() if self.states is not None else Counter[int]()
         check_hybrid_tables(self.pool, self.groups, self._reqs, self.enable_prefix_caching, extra)
-        if self.states is not None:
-            live = Counter(p for st in self._reqs.values() for g in self._state_ids[:1]
-                           for p in st.tables[g].pages[: st.tables[g].num_pages].tolist())  # fmt: skip
-            self.states.check(live)
+        if self.resume is not None:
+            self.resume.check(self._reqs.values())

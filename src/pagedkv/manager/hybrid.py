@@ -6,7 +6,7 @@ every cache (a child of a flat `MultiKVCacheParams`, or the single
 `KVCacheParams`) is a group with its own page table, the attention groups
 draw page ids from one pool (`KVCacheCoordinator`) and their buffers alias
 one arena per device; state groups share rows of a state pool and arena
-(live slots and checkpoints, `core.checkpoints`).
+(live slots and checkpoints, `core.state.checkpoints`).
 """
 
 from __future__ import annotations

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from pagedkv.core import memory
-from pagedkv.core.checkpoints import RunCopy
 from pagedkv.core.context import RequestID, Retention, TextContext
 from pagedkv.core.events import KVEventBatch
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.replica import ReplicaBookkeeping
+from pagedkv.core.state.checkpoints import RunCopy
 from pagedkv.core.tables import BatchTables
 from pagedkv.dtype import DeviceRef
 from pagedkv.interface.bridge import params_from_kv_cache_config
