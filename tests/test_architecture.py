@@ -25,7 +25,10 @@ TORCH_FREE = [  # every bookkeeping module (all of pagedkv.core) and the descrip
     "pagedkv.specs",
     "pagedkv.connector_config",
     "pagedkv.offload.format",
-    *sorted("pagedkv.core." + p.stem for p in (SRC / "core").glob("*.py") if p.stem != "__init__"),
+    *sorted(
+        ".".join(("pagedkv", *p.relative_to(SRC).with_suffix("").parts)).removesuffix(".__init__")
+        for p in (SRC / "core").rglob("*.py")
+    ),  # fmt: skip
 ]
 
 # Lower number = lower layer. A module may import only from its own layer or below.

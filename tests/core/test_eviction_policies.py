@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.context import Retention
-from pagedkv.core.eviction import ArcState
+from pagedkv.core.pool import BlockPool
+from pagedkv.core.pool.eviction import ArcState
 
 
 def cached_pool(n: int, chain: bool = False, **kwargs: object) -> BlockPool:

@@ -293,8 +293,8 @@ def test_a_weights_update_between_a_step_and_the_release_saves_nothing() -> None
 
 
 def test_reclaim_takes_the_lowest_priority_checkpoint_first() -> None:
-    from pagedkv.core.block_pool import BlockPool
     from pagedkv.core.checkpoints import StateCheckpoints
+    from pagedkv.core.pool import BlockPool
 
     pool = BlockPool(8, True)
     states = StateCheckpoints(4, 1, pool, 4, enabled=True)

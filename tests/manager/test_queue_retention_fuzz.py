@@ -12,7 +12,7 @@ import pytest
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.context import Retention, TextContext
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.eviction import LRU, PROBATION
+from pagedkv.core.pool.eviction import LRU, PROBATION
 
 PS = 4
 

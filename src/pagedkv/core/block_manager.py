@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.checkpoints import RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.checks import check_manager_args, check_tables
 from pagedkv.core.context import RequestID, Retention, TextContext, as_token_array
@@ -37,6 +36,7 @@ from pagedkv.core.events import BlockHooks, BlockRemoved, EventSink
 from pagedkv.core.hashing import BlockHash, PrefixHasher, check_salt
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy, Partial, make_partial_pages
+from pagedkv.core.pool import BlockPool
 from pagedkv.core.queue_wants import QueueWants
 from pagedkv.core.tables import (
     BatchTables,

@@ -26,7 +26,6 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from pagedkv.core import hybrid_state, state_hits
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.checkpoints import Checkpoint, RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.checks import check_hybrid_tables, check_manager_args, check_state_args, check_swap_restore
 from pagedkv.core.context import RequestID, Retention, TextContext
@@ -38,6 +37,7 @@ from pagedkv.core.hashing import BlockHash, PrefixHasher
 from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, SwappedGroups, find_hit
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy
+from pagedkv.core.pool import BlockPool
 from pagedkv.core.queue_wants import QueueWants
 from pagedkv.core.state_hits import find_state_hit, keeps, plan_fits, release_request, save_due, wanted_run
 from pagedkv.core.tables import (

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.checkpoints import Checkpoint, StateCheckpoints, run_key
 from pagedkv.core.context import TextContext
 from pagedkv.core.groups import GroupManager
 from pagedkv.core.hashing import BlockHash, PrefixHasher
 from pagedkv.core.hybrid_state import HybridRequest, Plan, find_hit, release_order
+from pagedkv.core.pool import BlockPool
 from pagedkv.core.tables import RequestPages, more_keys
 
 __all__ = [

@@ -47,7 +47,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import numpy as np
 
 from pagedkv.core.errors import InsufficientBlocksError, require
-from pagedkv.core.eviction import (
+from pagedkv.core.hashing import BlockHash
+from pagedkv.core.pool.eviction import (
     LRU,
     MAX_PRIORITY,
     NONE,
@@ -59,8 +60,7 @@ from pagedkv.core.eviction import (
     HeapOrder,
     check_order,
 )
-from pagedkv.core.hashing import BlockHash
-from pagedkv.core.wanted import WantedPages
+from pagedkv.core.pool.wanted import WantedPages
 from pagedkv.validation import INT32_MAX, check_eviction, check_int
 
 __all__ = ["BlockPool"]

@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterable
 from itertools import repeat
 
 from pagedkv.core.errors import require
-from pagedkv.core.eviction import LRU, NONE, PROBATION, WANTED, ArcState, FreeLists, HeapOrder
 from pagedkv.core.hashing import BlockHash
+from pagedkv.core.pool.eviction import LRU, NONE, PROBATION, WANTED, ArcState, FreeLists, HeapOrder
 
 __all__ = ["WantedPages", "UNWANTED"]
 
