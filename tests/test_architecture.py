@@ -41,8 +41,10 @@ LAYERS = {
     "pagedkv.integrations": 5,
     "pagedkv.router": 5,
 }  # fmt: skip
-# The seed API puts `allocate_buffers` on the params; it is the one call that reaches up (lazily).
+# The seed API puts `allocate_buffers` on the params; it is the one call that reaches up to build something
+# (lazily). The params also check `eviction_policy` against the pool's registry of policies (lazily).
 ALLOWED_UPWARD = {
+    ("pagedkv.params", "pagedkv.core.pool"),
     ("pagedkv.params", "pagedkv.runtime.buffers"),
     ("pagedkv.state_params", "pagedkv.runtime.state_buffers"),
     ("pagedkv.multi_params", "pagedkv.runtime.buffers"),

@@ -165,9 +165,8 @@ class BlockManager:
         processed = tokens.processed_length
         # the tiers below are asked exactly when the device prefix cache was (see `_plan`)
         tier_lookup = self.enable_prefix_caching and tokens.active_length > 1 and st.num_pages == st.committed
-        if self.pool.arc is not None and new_keys:  # a lookup ran: the pages it missed adapt ARC's split
-            for key in st.hashes[st.committed + len(hits) :]:
-                self.pool.arc.missed(key)
+        if new_keys:  # a lookup ran: the pages it missed may adapt the eviction policy (ARC's split)
+            self.pool.note_misses(st.hashes[st.committed + len(hits) :])
         if hits:
             self.pool.touch(hits)
             if ctx.retention is not None:
