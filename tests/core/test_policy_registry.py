@@ -97,6 +97,7 @@ def test_a_registered_policy_orders_a_real_pools_evictions() -> None:
 @pytest.mark.usefixtures("registered")
 def test_a_list_policy_overriding_the_split_is_asked_page_by_page() -> None:
     assert ReusedFirstPolicy.page_by_page and not FifoPolicy.page_by_page and not LruPolicy.page_by_page
+    assert FifoPolicy.listens == {"cached"} and not ReusedFirstPolicy.listens and not LruPolicy.listens
     pool = cached_pool("reused-first", [0, 1, 2, 3])
     assert drain(pool) == [2, 0, 1, 3]  # page 2 served a hit: it goes first, then probation in LRU order
     assert isinstance(pool.policy, ReusedFirstPolicy)

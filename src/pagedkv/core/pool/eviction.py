@@ -186,6 +186,11 @@ class HeapOrder:
                  leaves_first: bool, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.policy = policy  # (the pool's: its `order_key` ranks pages, its keyed hooks hear of hits and cachings)
         self.policy_key = policy.order_key
+        hooks = policy.listens  # (the hooks its class overrides; the others do nothing and are not called)
+        self.on_hit = policy.hit if "hit" in hooks else None
+        self.on_cached = policy.cached if "cached" in hooks else None
+        self.on_forgotten = policy.forgotten if "forgotten" in hooks else None
+        self.on_chosen = policy.chosen if "chosen" in hooks else None
         self.leaves_first = leaves_first
         self.clock = clock
         self.lists = lists
@@ -223,11 +228,13 @@ class HeapOrder:
 
     def hit(self, page: int) -> None:
         """A request reused `page` (a prefix hit or a merge)."""
-        self.policy.hit(page)
+        if self.on_hit is not None:
+            self.on_hit(page)
 
     def cached(self, page: int, parent: int, parent_stamp: int) -> None:
         """`page` was just cached as the chain child of `parent` (-1: a chain root)."""
-        self.policy.cached(page)
+        if self.on_cached is not None:
+            self.on_cached(page)
         self.parent[page] = parent
         self.parent_stamp[page] = parent_stamp
         if parent >= 0:
@@ -237,7 +244,8 @@ class HeapOrder:
         """`page` is about to lose its hash: drop its priority and its link to its parent, which may
         become a leaf (a parent skipped by `victim` for that reason gets its old entry back)."""
         self.version[page] += 1
-        self.policy.forgotten(page)
+        if self.on_forgotten is not None:
+            self.on_forgotten(page)
         self.children[page] = 0
         self.deferred.pop(page, None)
         if self.priority[page] != DEFAULT_PRIORITY:
@@ -274,8 +282,8 @@ class HeapOrder:
             if self.leaves_first and self.children[page]:
                 self.deferred[page] = entry  # pushed again by `forget` when its last child goes
                 continue
-            if self.key is None:
-                self.policy.chosen(page, entry[2:-2])
+            if self.on_chosen is not None and self.key is None:
+                self.on_chosen(page, entry[2:-2])
             return page
         # only chain interiors are left (their children are held or protected): oldest list page
         return self.lists.head(PROBATION if self.lists.count[PROBATION] else LRU)

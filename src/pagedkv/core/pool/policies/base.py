@@ -33,19 +33,24 @@ class EvictionPolicy:
 
     Class attributes: `name` (``eviction_policy=`` selects it), `segmented` (freed pages that never served
     a hit since they were cached go to probation, evicted before the LRU list), `keyed` (order by
-    `order_key` from the start, not by list heads). `page_by_page` is derived: True when the class
-    overrides `from_probation` or `evicted`.
+    `order_key` from the start, not by list heads). Derived for each subclass: `page_by_page`, True
+    when it overrides `from_probation` or `evicted`; `listens`, the keyed-order hooks it overrides (the
+    pool skips the others).
     """
 
     name: ClassVar[str] = ""
     segmented: ClassVar[bool] = False
     keyed: ClassVar[bool] = False
     page_by_page: ClassVar[bool] = False
+    listens: ClassVar[frozenset[str]] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         base = EvictionPolicy
         cls.page_by_page = cls.from_probation is not base.from_probation or cls.evicted is not base.evicted
+        cls.listens = frozenset(
+            h for h in ("hit", "cached", "forgotten", "chosen") if getattr(cls, h) is not getattr(base, h)
+        )
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks  # pages of the pool (ids 0 .. num_blocks - 1)
