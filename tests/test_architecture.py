@@ -25,11 +25,10 @@ TORCH_FREE = [  # every bookkeeping module (all of pagedkv.core) and the descrip
     "pagedkv.specs",
     "pagedkv.connector_config",
     "pagedkv.offload.format",
-    *sorted(  # (its subpackages too: core/state)
-        ".".join(p.relative_to(SRC.parent).with_suffix("").parts)
+    *sorted(
+        ".".join(("pagedkv", *p.relative_to(SRC).with_suffix("").parts)).removesuffix(".__init__")
         for p in (SRC / "core").rglob("*.py")
-        if p.stem != "__init__"
-    ),
+    ),  # fmt: skip
 ]
 
 # Lower number = lower layer. A module may import only from its own layer or below.
@@ -42,8 +41,10 @@ LAYERS = {
     "pagedkv.integrations": 5,
     "pagedkv.router": 5,
 }  # fmt: skip
-# The seed API puts `allocate_buffers` on the params; it is the one call that reaches up (lazily).
+# The seed API puts `allocate_buffers` on the params; it is the one call that reaches up to build something
+# (lazily). The params also check `eviction_policy` against the pool's registry of policies (lazily).
 ALLOWED_UPWARD = {
+    ("pagedkv.params", "pagedkv.core.pool"),
     ("pagedkv.params", "pagedkv.runtime.buffers"),
     ("pagedkv.state_params", "pagedkv.runtime.state_buffers"),
     ("pagedkv.multi_params", "pagedkv.runtime.buffers"),

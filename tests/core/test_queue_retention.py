@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from pagedkv.core.block_manager import BlockManager
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.context import TextContext
+from pagedkv.core.pool import BlockPool
 
 PS = 4
 

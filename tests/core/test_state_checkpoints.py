@@ -293,7 +293,7 @@ def test_a_weights_update_between_a_step_and_the_release_saves_nothing() -> None
 
 
 def test_reclaim_takes_the_lowest_priority_checkpoint_first() -> None:
-    from pagedkv.core.block_pool import BlockPool
+    from pagedkv.core.pool import BlockPool
     from pagedkv.core.state.checkpoints import StateCheckpoints
 
     pool = BlockPool(8, True)

@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.checks import check_manager_args, check_tables
 from pagedkv.core.context import RequestID, Retention, TextContext, as_token_array
 from pagedkv.core.errors import InsufficientBlocksError
@@ -36,6 +35,7 @@ from pagedkv.core.events import BlockHooks, BlockRemoved, EventSink
 from pagedkv.core.hashing import BlockHash, PrefixHasher, check_salt
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy, Partial, make_partial_pages
+from pagedkv.core.pool import BlockPool
 from pagedkv.core.queue_wants import QueueWants
 from pagedkv.core.state.checkpoints import RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.tables import (
@@ -165,9 +165,8 @@ class BlockManager:
         processed = tokens.processed_length
         # the tiers below are asked exactly when the device prefix cache was (see `_plan`)
         tier_lookup = self.enable_prefix_caching and tokens.active_length > 1 and st.num_pages == st.committed
-        if self.pool.arc is not None and new_keys:  # a lookup ran: the pages it missed adapt ARC's split
-            for key in st.hashes[st.committed + len(hits) :]:
-                self.pool.arc.missed(key)
+        if new_keys:  # a lookup ran: the pages it missed may adapt the eviction policy (ARC's split)
+            self.pool.note_misses(st.hashes[st.committed + len(hits) :])
         if hits:
             self.pool.touch(hits)
             if ctx.retention is not None:

@@ -26,7 +26,6 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from pagedkv.core import hybrid_state
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.checks import check_hybrid_tables, check_manager_args, check_state_args, check_swap_restore
 from pagedkv.core.context import RequestID, Retention, TextContext, as_token_array
 from pagedkv.core.errors import InsufficientBlocksError
@@ -37,6 +36,7 @@ from pagedkv.core.hashing import BlockHash, PrefixHasher, check_salt
 from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, SwappedGroups, find_hit
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy
+from pagedkv.core.pool import BlockPool
 from pagedkv.core.queue_wants import QueueWants
 from pagedkv.core.state.checkpoints import Checkpoint, RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.state.resume import StateResume

@@ -8,10 +8,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.context import TextContext
 from pagedkv.core.groups import FAR, GroupManager
 from pagedkv.core.hashing import BlockHash
+from pagedkv.core.pool import BlockPool
 from pagedkv.core.tables import BatchTables, RequestPages, assemble_tables, required_pages
 
 __all__ = [

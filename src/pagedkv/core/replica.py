@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.context import RequestID, Retention, TextContext
 from pagedkv.core.events import BlockHooks, EventSink
 from pagedkv.core.hashing import PrefixHasher
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy
+from pagedkv.core.pool import BlockPool
 from pagedkv.core.queue_wants import QueueWants
 from pagedkv.core.state.checkpoints import RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.tables import BatchTables

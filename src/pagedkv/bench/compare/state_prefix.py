@@ -57,6 +57,7 @@ from pagedkv.bench.timing import gc_frozen
 from pagedkv.bench.workloads import TraceRequest, ideal_hit_rates, make_trace, unique_pages
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.memory import checkpoint_pages, num_state_rows, pool_page_bytes, state_row_bytes
+from pagedkv.core.pool import EVICTION_POLICIES
 
 __all__ = [
     "CHECKPOINT_MULTIPLES",
@@ -428,7 +429,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--eviction",
         default="lru",
-        choices=["lru", "slru", "lfu", "arc"],
+        choices=list(EVICTION_POLICIES),
         help="pagedkv's eviction policy on the hybrid (attention pages and checkpoint rows)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads")

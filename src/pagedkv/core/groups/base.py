@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, NamedTuple
 from pagedkv.specs import KVCacheSpec
 
 if TYPE_CHECKING:  # (types only: the pool lives above the groups)
-    from pagedkv.core.block_pool import BlockPool
     from pagedkv.core.hashing import BlockHash
+    from pagedkv.core.pool import BlockPool
     from pagedkv.core.tables import RequestPages
 
 __all__ = ["FAR", "GroupManager", "StepSpan"]

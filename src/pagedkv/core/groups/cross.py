@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 from pagedkv.core.groups.base import GroupManager, StepSpan
 
 if TYPE_CHECKING:
-    from pagedkv.core.block_pool import BlockPool
     from pagedkv.core.hashing import BlockHash
+    from pagedkv.core.pool import BlockPool
     from pagedkv.core.tables import RequestPages
 
 __all__ = ["CrossAttentionManager"]

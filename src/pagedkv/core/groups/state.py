@@ -8,8 +8,8 @@ from pagedkv.core.groups.base import GroupManager, StepSpan
 from pagedkv.specs import KVCacheSpec, MambaSpec
 
 if TYPE_CHECKING:
-    from pagedkv.core.block_pool import BlockPool
     from pagedkv.core.hashing import BlockHash
+    from pagedkv.core.pool import BlockPool
     from pagedkv.core.tables import RequestPages
 
 __all__ = ["MambaManager"]

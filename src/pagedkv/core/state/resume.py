@@ -15,11 +15,11 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.context import TextContext
 from pagedkv.core.groups import GroupManager
 from pagedkv.core.hashing import BlockHash, PrefixHasher
 from pagedkv.core.hybrid_state import HybridRequest, Plan, find_hit, release_pages
+from pagedkv.core.pool import BlockPool
 from pagedkv.core.state.checkpoints import Checkpoint, StateCheckpoints, run_key
 from pagedkv.core.tables import more_keys
 
