@@ -43,6 +43,7 @@ from pagedkv.core.tables import (
     RequestPages,
     SwappedPages,
     build_tables,
+    check_batch,
     claimed_state,
     claimed_states,
     more_keys,
@@ -145,11 +146,11 @@ class BlockManager:
         tokens = ctx.tokens
         # Hot path, a decode step that needs no page: one active token, every slot held.
         # (Reads TokenBuffer's fields directly: properties cost ~40% of this path.)
-        if st is not None and tokens._end - tokens._processed == 1:
-            if tokens._len + self.num_speculative_tokens <= st.num_pages * self.page_size:
+        if st is not None and tokens.end - tokens.processed == 1:
+            if tokens.length + self.num_speculative_tokens <= st.num_pages * self.page_size:
                 self._input_tokens += 1
                 return
-            if tokens._processed and not st.dummy and self._alloc_decode(st, ctx, num_scheduled_tokens):
+            if tokens.processed and not st.dummy and self._alloc_decode(st, ctx, num_scheduled_tokens):
                 return
         st = self._claimed(ctx.request_id)
         hits, need, new_keys, digest, partial = self._plan(st, ctx)
@@ -197,8 +198,8 @@ class BlockManager:
         general path's prefix lookup, partial copy and tier load, none of which applies to it. False, having
         changed nothing, when a check fails: the general path then raises its error."""
         tokens, ps, pool = ctx.tokens, self.page_size, self.pool
-        need_tokens = tokens._len + self.num_speculative_tokens
-        if tokens._processed > st.num_pages * ps or need_tokens > pool.num_blocks * ps:
+        need_tokens = tokens.length + self.num_speculative_tokens
+        if tokens.processed > st.num_pages * ps or need_tokens > pool.num_blocks * ps:
             return False
         need = -(-need_tokens // ps) - st.num_pages
         if need > pool.num_free:
@@ -288,9 +289,9 @@ class BlockManager:
                 first, st.unwritten = st.unwritten, -1
                 self._announce(st, ctx, first, st.committed)
             tokens = ctx.tokens
-            done, bound = tokens._processed, (st.committed + 1) * ps  # (hot path: fields, not properties)
-            if done >= bound and tokens._len > bound:  # min(processed, len - 1) fills another page
-                self._commit(st, ctx, min(done, tokens._len - 1) // ps)
+            done, bound = tokens.processed, (st.committed + 1) * ps  # (hot path: fields, not properties)
+            if done >= bound and tokens.length > bound:  # min(processed, len - 1) fills another page
+                self._commit(st, ctx, min(done, tokens.length - 1) // ps)
 
     def _commit(self, st: RequestPages, ctx: TextContext, n_commit: int, scheduled: bool = False) -> None:
         """Commit pages [committed, n_commit). `scheduled`: at alloc, before their KV is written: a page
@@ -332,6 +333,12 @@ class BlockManager:
             self.hooks.committed(hashes, first, n_commit, ctx.tokens.all, self.page_size)
 
     # ------------------------------------------------------------------ planning
+    def check_batch(self, batch: Sequence[TextContext]) -> None:
+        """ValueError naming the first request of `batch` that is not claimed or is there twice. No side effects."""
+        ids = {ctx.request_id for ctx in batch}
+        if len(ids) != len(batch) or not ids <= self._reqs.keys():
+            check_batch(self._reqs, batch)
+
     def check_claimed(self, request_id: RequestID) -> None:
         """ValueError unless `request_id` is claimed and not a dummy (what `alloc` and `step` need)."""
         self._claimed(request_id)

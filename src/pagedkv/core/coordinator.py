@@ -153,19 +153,19 @@ class KVCacheCoordinator:
         tokens = ctx.tokens
         if (  # hot path: a decode step that needs no page and drops none
             st is not None
-            and tokens._end - tokens._processed == 1
-            and tokens._end == tokens._len  # (a one-token prefill chunk is not a decode step)
-            and tokens._len + self.num_speculative_tokens <= st.ready
-            and tokens._processed < st.next_drop
+            and tokens.end - tokens.processed == 1
+            and tokens.end == tokens.length  # (a one-token prefill chunk is not a decode step)
+            and tokens.length + self.num_speculative_tokens <= st.ready
+            and tokens.processed < st.next_drop
         ):
             self._input_tokens += 1
             st.state_at = -1  # the forward pass moves the live state on
             return
         hst = self._claimed(ctx.request_id)
-        decoding = tokens._end - tokens._processed == 1 and tokens._end == tokens._len
-        if decoding and self._decode_step(hst, tokens._len, tokens._processed):
+        decoding = tokens.end - tokens.processed == 1 and tokens.end == tokens.length
+        if decoding and self._decode_step(hst, tokens.length, tokens.processed):
             return
-        first = self.tier_link is not None and tokens._processed == 0 and not hst.num_pages
+        first = self.tier_link is not None and tokens.processed == 0 and not hst.num_pages
         plan = self._plan_alloc(hst, ctx, num_scheduled_tokens)
         if plan.checkpoint is not None:  # the hit's row or tail page may be what is short: adopt or compute
             assert self.resume is not None
@@ -257,7 +257,7 @@ class KVCacheCoordinator:
         processed = max(tokens.processed_length, hit * ps + tail)
         if cut <= processed or cut >= len(tokens):
             cut = -1
-        last = tokens._prompt_length - 1 if fresh and self.enable_prefix_caching else -1  # (a prompt-end cut: a hit
+        last = tokens.prompt_end - 1 if fresh and self.enable_prefix_caching else -1  # (a prompt-end cut: a hit
         last = last if last > processed else -1  # leaves the last token to compute, so it resumes before it)
         end = tokens.current_position if scheduled is None else min(tokens.current_position, processed + scheduled)
         span = StepSpan(processed, end, len(tokens), spec, ctx.encoder_length)
@@ -439,7 +439,7 @@ class KVCacheCoordinator:
             if not caching or st.dummy:
                 continue
             tokens = ctx.tokens
-            n_commit = min(tokens._processed, tokens._len - 1) // ps
+            n_commit = min(tokens.processed, tokens.length - 1) // ps
             if n_commit > st.committed:
                 self._commit_groups(st, ctx, n_commit)
             if self.resume is not None:
@@ -590,6 +590,12 @@ class KVCacheCoordinator:
         """Pending data moves of state checkpoints, in order (saves, restores' rows and tail slots); the
         owner of the buffers runs them before the next forward pass (`StateCheckpoints.take`)."""
         return self.states.take() if self.states is not None else ([], [])
+
+    def check_batch(self, batch: Sequence[TextContext]) -> None:
+        """ValueError naming the first request of `batch` that is not claimed or is there twice. No side effects."""
+        ids = {ctx.request_id for ctx in batch}
+        if len(ids) != len(batch) or not ids <= self._reqs.keys():
+            check_batch(self._reqs, batch)
 
     def check_claimed(self, request_id: RequestID) -> None:
         """ValueError unless `request_id` is claimed and not a dummy (what `alloc` and `step` need)."""

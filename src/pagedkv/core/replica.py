@@ -96,6 +96,9 @@ class ReplicaBookkeeping(Protocol):
         """Send KV events (pages stored and removed, state checkpoints) to `emit`; None stops them."""
 
     # ----------------------------------------------------------------- queries (no side effects)
+    def check_batch(self, batch: Sequence[TextContext]) -> None:
+        """ValueError naming the first request of `batch` that is not claimed or is there twice."""
+
     def check_claimed(self, request_id: RequestID) -> None:
         """ValueError unless `request_id` is claimed and not a dummy."""
 
