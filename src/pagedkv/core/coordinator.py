@@ -276,14 +276,18 @@ class KVCacheCoordinator:
 
     def _apply(self, st: HybridRequest, ctx: TextContext, plan: Plan) -> None:
         tokens, ps, null = ctx.tokens, self.page_size, self.pool.null_block
-        if plan.new_keys:
+        if plan.new_keys:  # a lookup ran: the pages it missed adapt the policy (ARC's split)
             st.hashes.extend(plan.new_keys)
             st.digest = plan.digest
+            self.pool.note_misses(st.hashes[max(plan.hit, st.committed) :])
         processed = tokens.processed_length
         hit, st.context = plan.checkpoint, ctx  # (the context a failed tier load rewinds: `restart_holders`)
         if plan.hit > st.committed:
             for g, pages in enumerate(plan.hit_pages):
                 self.pool.touch(p for p in pages if p != null)
+                if ctx.retention is not None:
+                    self.pool.retain([p for p in pages if p != null], ctx.retention.priority,
+                                     ctx.retention.duration_s)  # fmt: skip
                 st.tables[g].append(pages)
             st.pinned.extend(self.pool.pin(plan.pins, reused=True))
             st.committed = plan.hit
@@ -454,7 +458,7 @@ class KVCacheCoordinator:
             for g in self._cacheable_ids:
                 self.hooks.committed(hashes, lo, n_commit, ctx.tokens.all, self.page_size, g, self.groups[g].kind)
         for gm in self.groups:
-            st.shared = max(st.shared, gm.commit(pool, st.tables[gm.group], hashes, lo, n_commit))
+            st.shared = max(st.shared, gm.commit(pool, st.tables[gm.group], hashes, lo, n_commit, ctx.retention))
         st.committed = n_commit
 
     # ----------------------------------------------------------------- swap preemption

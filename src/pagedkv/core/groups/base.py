@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from pagedkv.specs import KVCacheSpec
 
 if TYPE_CHECKING:  # (types only: the pool lives above the groups)
+    from pagedkv.core.context import Retention
     from pagedkv.core.hashing import BlockHash
     from pagedkv.core.pool import BlockPool
     from pagedkv.core.tables import RequestPages
@@ -93,18 +94,31 @@ class GroupManager:
         ``hi`` is the new dropped count (it may pass `have`). None for a group that keeps every page."""
         return 0, 0
 
-    def commit(self, pool: BlockPool, table: RequestPages, hashes: list[BlockHash], lo: int, hi: int) -> int:
-        """Cache the table's written pages [lo, hi) under ``hashes[lo:hi]`` (null entries skipped). A page whose
-        hash is cached already is swapped for that copy. Returns one past the last swapped index (0: none)."""
+    def commit(
+        self, pool: BlockPool, table: RequestPages, hashes: list[BlockHash], lo: int, hi: int,
+        retention: Retention | None = None,
+    ) -> int:  # fmt: skip
+        """Cache the table's written pages [lo, hi) under ``hashes[lo:hi]`` (null entries skipped), each chained
+        to the page before it (the eviction order's prefix tree). A page whose hash is cached already is swapped
+        for that copy. With `retention`, the committed pages take at least its priority. Returns one past the
+        last swapped index (0: none)."""
         null, shared = pool.null_block, 0
         hi = min(hi, table.num_pages)
+        if hi <= lo:
+            return 0
         pages = [int(table.pages[lo])] if hi == lo + 1 else table.pages[lo:hi].tolist()
+        parent = int(table.pages[lo - 1]) if lo else -1
         for i, page in enumerate(pages, lo):
             if page != null:
-                used = pool.commit(page, hashes[i], self.group)
+                used = pool.commit(page, hashes[i], self.group, parent)
                 if used != page:  # merged into a cached copy: this prefix is shared
                     shared = i + 1
                     table.pages[i] = used
+                page = used
+            parent = page
+        if retention is not None:
+            pool.retain([p for p in table.pages[lo:hi].tolist() if p != null], retention.priority,
+                        retention.duration_s)  # fmt: skip
         return shared
 
     # ----------------------------------------------------------------- capacity
