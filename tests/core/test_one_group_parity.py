@@ -20,13 +20,14 @@ from pagedkv.core.pool import EVICTION_POLICIES
 PAGE = 4
 
 
-def pair(policy: str, leaves: bool, pages: int) -> tuple[BlockManager, KVCacheCoordinator]:
-    kwargs = dict(enable_prefix_caching=True, eviction_policy=policy, evict_leaves_first=leaves)
+def pair(policy: str, leaves: bool, pages: int, scheduled: bool = False) -> tuple[BlockManager, KVCacheCoordinator]:
+    kwargs = dict(enable_prefix_caching=True, eviction_policy=policy, evict_leaves_first=leaves,
+                  commit_on_alloc=scheduled)  # fmt: skip
     one = BlockManager(pages, PAGE, **kwargs)  # type: ignore[arg-type]
     return one, KVCacheCoordinator(pages, PAGE, [FullAttentionManager(0, PAGE)], **kwargs)  # type: ignore[arg-type]
 
 
-def replay(bm: BlockManager | KVCacheCoordinator, seed: int) -> list[object]:
+def replay(bm: BlockManager | KVCacheCoordinator, seed: int, scheduled: bool = False) -> list[object]:
     """A seeded mix of shared-prefix prompts with retention priorities: up to 3 running at once, each
     prefilled then decoded a few tokens, released in random order. Returns what every call observed."""
     rng = random.Random(seed)
@@ -46,8 +47,11 @@ def replay(bm: BlockManager | KVCacheCoordinator, seed: int) -> list[object]:
         if rng.random() < 0.1:
             seen.append(("pin", bm.pin_prefix(rng.choice(prefixes), Retention(rng.choice([35, 100])))))
         bm.claim(rid)
+        chunk = rng.choice([None, 5, 9]) if scheduled else None  # a chunked prefill tells alloc its chunk
         try:
-            bm.alloc(ctx)
+            bm.alloc(ctx, chunk)
+            if chunk is not None and chunk < ctx.tokens.active_length:
+                ctx.tokens.chunk(chunk)
         except InsufficientBlocksError as error:
             seen.append(("full", rid, str(error)))
             bm.release(rid)
@@ -55,6 +59,12 @@ def replay(bm: BlockManager | KVCacheCoordinator, seed: int) -> list[object]:
             seen.append(("hit", rid, ctx.cached_prefix_length, bm.get_req_blocks(rid)))
             running[rid] = ctx
         for r, c in list(running.items()):
+            if c.tokens.is_chunked:  # the rest of a chunked prompt runs next
+                c.tokens.advance_chunk()
+                bm.step(c)
+                bm.alloc(c)
+                seen.append(("chunk", r, c.cached_prefix_length, bm.get_req_blocks(r)))
+                continue
             c.update(rng.randrange(1, 500))
             bm.step(c)
             try:
@@ -74,6 +84,16 @@ def replay(bm: BlockManager | KVCacheCoordinator, seed: int) -> list[object]:
     m = bm.metrics
     seen.append(("metrics", m.input_tokens, m.cache_tokens, m.evictions))
     return seen
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_schedule_time_caching_is_the_same_on_both(seed: int) -> None:
+    """`commit_on_alloc`: pages committed at alloc (chunked prefills told their chunk), announced at step,
+    forgotten when released unwritten: the one-group coordinator and BlockManager agree call for call."""
+    one, coordinator = pair("lru", False, pages=24, scheduled=True)
+    expected = replay(one, seed, scheduled=True)
+    assert replay(coordinator, seed, scheduled=True) == expected
+    assert any(e[0] == "chunk" for e in expected)
 
 
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)

@@ -73,9 +73,15 @@ class KVCacheCoordinator:
         num_state_rows: int = 0,
         checkpoint_pages: int = 0,
         max_state_checkpoints: int | None = None,
+        commit_on_alloc: bool = False,
+        commit_unscheduled: bool = True,
     ) -> None:
-        check_manager_args(page_size, enable_prefix_caching, num_speculative_tokens, hash_seed, evict_leaves_first)
+        check_manager_args(page_size, enable_prefix_caching, num_speculative_tokens, hash_seed, evict_leaves_first,
+                           False, commit_on_alloc)  # fmt: skip
         slots = check_state_args(groups, num_state_rows, checkpoint_pages, max_state_checkpoints)
+        if commit_on_alloc and slots:
+            raise ValueError("commit_on_alloc=True does not support models with recurrent state (their hits need a "
+                             "state checkpoint, saved by `step`)")  # fmt: skip
         self.pool = BlockPool(num_blocks, enable_prefix_caching, len(groups), eviction_policy, protected_fraction,
                               evict_leaves_first)  # fmt: skip
         self.page_size = page_size
@@ -107,6 +113,10 @@ class KVCacheCoordinator:
             self.wants.extra = self.resume.wanted_run
         self.tier_groups = TierGroups(self._cacheable_ids, self._decoder_ids, (self._state_ids or [-1])[0])
         self.num_tables = len(self.groups)
+        self.commit_on_alloc = commit_on_alloc and enable_prefix_caching  # vLLM's schedule-time caching
+        # (False: schedule-time commits only for an `alloc` told `num_scheduled_tokens`; a driver that chunks
+        # after `alloc` without saying so would otherwise share pages its step never writes)
+        self.commit_unscheduled = commit_unscheduled
 
     @property
     def tiers_by_hash(self) -> bool:
@@ -134,7 +144,10 @@ class KVCacheCoordinator:
         self._free(st, request_id)
 
     def _free(self, st: HybridRequest, request_id: RequestID) -> None:
-        """Give back every page and state row `st` holds (`StateResume.release`: its last state may be kept)."""
+        """Give back every page and state row `st` holds (`StateResume.release`: its last state may be kept); pages
+        committed at alloc that no step wrote leave the prefix cache first (those no other request took)."""
+        if st.unwritten >= 0:
+            self._unregister(st)
         if self.resume is not None:
             self.resume.release(st, request_id)
         else:
@@ -164,6 +177,8 @@ class KVCacheCoordinator:
         hst = self._claimed(ctx.request_id)
         decoding = tokens.end - tokens.processed == 1 and tokens.end == tokens.length
         if decoding and self._decode_step(hst, tokens.length, tokens.processed):
+            if self.commit_on_alloc:
+                self._commit_scheduled(hst, ctx, num_scheduled_tokens)
             return
         first = self.tier_link is not None and tokens.processed == 0 and not hst.num_pages
         plan = self._plan_alloc(hst, ctx, num_scheduled_tokens)
@@ -187,6 +202,30 @@ class KVCacheCoordinator:
         if first and self.enable_prefix_caching and tokens.active_length > 1:
             self._from_tiers(hst, ctx)
         self.wants.unexpect(ctx.request_id)  # admitted: it holds what it hits, so its want (if any) ends
+        if self.commit_on_alloc:
+            self._commit_scheduled(hst, ctx, num_scheduled_tokens)
+
+    def _commit_scheduled(self, st: HybridRequest, ctx: TextContext, num_scheduled_tokens: int | None) -> None:
+        """vLLM's schedule-time caching: commit the full pages this step's chunk will write, so requests admitted
+        after this one in the same step hit them (`step` announces them once written)."""
+        if num_scheduled_tokens is None and not self.commit_unscheduled:
+            return
+        tokens = ctx.tokens
+        run = tokens.end - tokens.processed
+        run = run if num_scheduled_tokens is None else min(num_scheduled_tokens, run)
+        n = min(tokens.processed + run, tokens.length - 1) // self.page_size
+        if n > st.committed:
+            self._commit_groups(st, ctx, n, scheduled=True)
+
+    def _unregister(self, st: HybridRequest) -> None:
+        """Uncache the pages committed at alloc that no step wrote (those no other request took)."""
+        pool, null = self.pool, self.pool.null_block
+        for g in self._cacheable_ids:
+            table = st.tables[g]
+            for page in table.pages[st.unwritten : min(st.committed, table.num_pages)].tolist():
+                if page != null and pool.ref_count(page) == 1:
+                    pool.forget(page)
+        st.unwritten = -1
 
     def restart_holders(self, pages: Iterable[int], rows: Iterable[int] = ()) -> list[RequestID]:
         """`hybrid_state.restart_holders` on this coordinator's requests (after tier loads whose copy failed)."""
@@ -442,6 +481,9 @@ class KVCacheCoordinator:
         for ctx, st in zip(batch, states, strict=True):
             if not caching or st.dummy:
                 continue
+            if st.unwritten >= 0:  # pages committed at alloc are written now: announce them
+                first, st.unwritten = st.unwritten, -1
+                self._announce(st, ctx, first, st.committed)
             tokens = ctx.tokens
             n_commit = min(tokens.processed, tokens.length - 1) // ps
             if n_commit > st.committed:
@@ -449,17 +491,42 @@ class KVCacheCoordinator:
             if self.resume is not None:
                 self.resume.stepped(st, ctx)
 
-    def _commit_groups(self, st: HybridRequest, ctx: TextContext, n_commit: int) -> None:
+    def _commit_groups(self, st: HybridRequest, ctx: TextContext, n_commit: int, scheduled: bool = False) -> None:
+        """Commit pages [committed, n_commit) of every group. `scheduled`: at alloc, before their KV is written:
+        the run stops before the first page whose hash another page holds (no merge), and `step` announces."""
         if n_commit > len(st.hashes):
             keys, st.digest = more_keys(self.hasher, st, ctx, n_commit)
             st.hashes.extend(keys)
         lo, pool, hashes = st.committed, self.pool, st.hashes
-        if self.hooks.emit is not None or self.hooks.offloads is not None:
-            for g in self._cacheable_ids:
-                self.hooks.committed(hashes, lo, n_commit, ctx.tokens.all, self.page_size, g, self.groups[g].kind)
+        if scheduled:
+            n_commit = self._uncached_run(st, lo, n_commit)
+            if n_commit <= lo:
+                return
         for gm in self.groups:
             st.shared = max(st.shared, gm.commit(pool, st.tables[gm.group], hashes, lo, n_commit, ctx.retention))
         st.committed = n_commit
+        if scheduled:
+            st.unwritten = lo if st.unwritten < 0 else st.unwritten
+        else:
+            self._announce(st, ctx, lo, n_commit)
+
+    def _uncached_run(self, st: HybridRequest, lo: int, hi: int) -> int:
+        """The end of the run [lo, hi) before the first index whose hash another page caches in some group."""
+        cached, null = self.pool.cached_page, self.pool.null_block
+        for i in range(lo, hi):
+            for g in self._cacheable_ids:
+                table = st.tables[g]
+                page = int(table.pages[i]) if i < table.num_pages else null
+                held = cached(st.hashes[i], g)
+                if held is not None and held != page:
+                    return i
+        return hi
+
+    def _announce(self, st: HybridRequest, ctx: TextContext, lo: int, hi: int) -> None:
+        """Tell the tiers and the event listeners about written pages [lo, hi) of every cacheable group."""
+        if hi > lo and (self.hooks.emit is not None or self.hooks.offloads is not None):
+            for g in self._cacheable_ids:
+                self.hooks.committed(st.hashes, lo, hi, ctx.tokens.all, self.page_size, g, self.groups[g].kind)
 
     # ----------------------------------------------------------------- swap preemption
     # As `BlockManager`'s: the caller copies the pages out, releases, later restores, copies the bytes back

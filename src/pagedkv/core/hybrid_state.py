@@ -41,6 +41,7 @@ class HybridRequest:
     superseded: list[Any] = field(default_factory=list)  # its prompt-end checkpoint, the one it resumed from
     root: bytes = b""  # the hash chain's root when its state rows were taken (a weights update changes it)
     context: Any = None  # the context its last `alloc` was given (a failed tier load rewinds it: `restart_holders`)
+    unwritten: int = -1  # first page committed at alloc whose KV no step has written yet (-1: none)
 
     @property
     def num_pages(self) -> int:
