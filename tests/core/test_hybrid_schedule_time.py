@@ -59,3 +59,29 @@ def test_models_with_recurrent_state_refuse_it() -> None:
     groups = [FullAttentionManager(0, PAGE), MambaManager(1, PAGE)]
     with pytest.raises(ValueError, match="commit_on_alloc=True does not support models with recurrent state"):
         KVCacheCoordinator(32, PAGE, groups, enable_prefix_caching=True, commit_on_alloc=True, num_state_rows=4)
+
+
+@pytest.mark.parametrize("scheduled", [True, False])
+def test_a_window_groups_dropped_page_starts_a_new_chain_in_the_leaves_first_order(scheduled: bool) -> None:
+    """Pages chain to the page before them for leaves-first eviction; a window group's page after a dropped
+    (null) entry has no parent there, and commits past it keep the pool consistent (every chunk size)."""
+    dropped = 0
+    for window, chunk in [(w, k) for w in (4, 5, 8) for k in range(1, 10)]:
+        groups = [FullAttentionManager(0, PAGE), SlidingWindowManager(1, PAGE, window)]
+        c = KVCacheCoordinator(32, PAGE, groups, enable_prefix_caching=True, evict_leaves_first=True,
+                               commit_on_alloc=scheduled)  # fmt: skip
+        ctx = TextContext("a", np.arange(1, 30))
+        c.claim("a")
+        while ctx.tokens.active_length > 1:  # a chunked prefill: the window group drops pages behind it
+            c.alloc(ctx, chunk)
+            if ctx.tokens.active_length > chunk:
+                ctx.tokens.chunk(chunk)
+                ctx.tokens.advance_chunk()
+            else:
+                ctx.update(5)
+            c.step(ctx)
+            c.check_integrity()
+        dropped += c.get_req_blocks("a", 1).count(c.pool.null_block)
+        c.release("a")
+        c.check_integrity()
+    assert dropped > 0

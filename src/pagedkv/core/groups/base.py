@@ -109,13 +109,14 @@ class GroupManager:
         pages = [int(table.pages[lo])] if hi == lo + 1 else table.pages[lo:hi].tolist()
         parent = int(table.pages[lo - 1]) if lo else -1
         for i, page in enumerate(pages, lo):
-            if page != null:
-                used = pool.commit(page, hashes[i], self.group, parent)
-                if used != page:  # merged into a cached copy: this prefix is shared
-                    shared = i + 1
-                    table.pages[i] = used
-                page = used
-            parent = page
+            if page == null:  # (a dropped window page: the next one starts a chain of its own)
+                parent = -1
+                continue
+            used = pool.commit(page, hashes[i], self.group, -1 if parent == null else parent)
+            if used != page:  # merged into a cached copy: this prefix is shared
+                shared = i + 1
+                table.pages[i] = used
+            parent = used
         if retention is not None:
             pool.retain([p for p in table.pages[lo:hi].tolist() if p != null], retention.priority,
                         retention.duration_s)  # fmt: skip
