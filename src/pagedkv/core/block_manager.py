@@ -32,6 +32,7 @@ from pagedkv.core.checks import check_manager_args, check_tables
 from pagedkv.core.context import RequestID, Retention, TextContext, as_token_array
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.events import BlockHooks, BlockRemoved, EventSink
+from pagedkv.core.groups import FullAttentionManager, GroupManager
 from pagedkv.core.hashing import BlockHash, PrefixHasher, check_salt
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy, Partial, make_partial_pages
@@ -48,7 +49,7 @@ from pagedkv.core.tables import (
     claimed_states,
     more_keys,
 )
-from pagedkv.core.tier_hits import TierGroups
+from pagedkv.core.tier_hits import TierGroups, TierLink
 
 __all__ = ["BlockManager"]
 
@@ -93,6 +94,8 @@ class BlockManager:
         self._cache_tokens = 0
         self._evictions_at_reset = 0
         self.hooks = BlockHooks()
+        self.tier_link: TierLink | None = None  # the tiers below, asked at a request's first alloc
+        self.groups: list[GroupManager] = [FullAttentionManager(0, page_size)]  # its one group's page policy
         self._partial = make_partial_pages(partial_page_reuse, self.pool, page_size, self.hasher.root)
         self.commit_on_alloc = commit_on_alloc and enable_prefix_caching
         # (False: schedule-time commits only for an `alloc` told `num_scheduled_tokens`; a driver that chunks
@@ -181,7 +184,7 @@ class BlockManager:
             self.pool.touch((partial[0],))
         if need > 0:
             st.append(self.pool.allocate(need))
-            if tier_lookup and self.hooks.loader is not None and len(st.hashes) > st.committed and partial is None:
+            if tier_lookup and self.tier_link is not None and len(st.hashes) > st.committed and partial is None:
                 self._from_tiers(st, ctx)  # (partial reuse and tiers: refused by KVCacheParams)
         if partial is not None and self._partial is not None:
             self._cache_tokens += self._partial.record(st, ctx, *partial)
@@ -231,7 +234,7 @@ class BlockManager:
         """Fill the new pages after the device hits from the tiers below; commit them as hits."""
         first, keys = st.committed, st.hashes[st.committed :]
         pages = st.pages[first : first + len(keys)].tolist()
-        n = self.hooks.loader(pages, keys) if keys and self.hooks.loader else 0
+        n = self.tier_link.load_pages([pages], keys) if keys and self.tier_link is not None else 0
         if n:
             used = self.pool.commit_run(pages[:n], keys[:n], int(st.pages[first - 1]) if first else -1, False)
             st.pages[first : first + n] = used  # (a page whose prefix is cached already is swapped for that copy)
@@ -241,20 +244,15 @@ class BlockManager:
             if self.hooks.emit is not None:
                 self.hooks.committed(st.hashes, first, first + n, ctx.tokens.all, self.page_size)
 
-    def drop_failed_loads(self, pages: Sequence[int], hashes: Sequence[BlockHash]) -> list[RequestID]:
-        """Undo tier loads whose device copy failed (`pages[i]` was to hold `hashes[i]`); returns the requests
-        rolled back. Each page still cached under its hash leaves the prefix cache (announced), and every
-        request holding one gives back its pages from the first such one on (tail first) and its context
-        (the one its last `alloc` was given) moves back to that page's first token: table and context are
-        consistent at once, and its next `alloc` looks the rest up again (device, tiers). A page no
-        longer cached under its hash (evicted, or swapped for a cached copy at commit) holds nothing anyone
-        reads. Runs once per failure: O(tables)."""
-        pool, ps = self.pool, self.page_size
-        bad = [page for page, key in zip(pages, hashes, strict=True) if pool.cached_page(key) == page]
-        if not bad:
+    def restart_holders(self, pages: Iterable[int], rows: Iterable[int] = ()) -> list[RequestID]:
+        """Roll back every request holding one of `pages` in its committed prefix (tier loads whose device copy
+        failed; the tier port has taken them out of the prefix cache): it gives back its pages from the first
+        such one on (tail first) and its context (the one its last `alloc` was given) moves back to that page's
+        first token, so table and context are consistent at once and its next `alloc` looks the rest up again
+        (device, tiers). `rows`: state rows (none here). Returns the requests rolled back. O(tables)."""
+        gone, rolled, pool, ps = set(pages), [], self.pool, self.page_size
+        if not gone:
             return []
-        pool.uncache(bad)
-        gone, rolled = set(bad), []
         for rid, st in self._reqs.items():
             first = next((i for i, page in enumerate(st.pages[: st.committed].tolist()) if page in gone), None)
             if first is None:

@@ -11,7 +11,7 @@ the device), "CPU" (host tier), "DISK", "REDIS".
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ from pagedkv.core.hashing import BlockHash
 
 __all__ = [
     "AllBlocksCleared", "BlockHooks", "BlockRemoved", "BlockStored", "EventSink", "KVEvent", "KVEventBatch",
-    "KVEventQueue", "Loader",
+    "KVEventQueue",
 ]  # fmt: skip
 
 
@@ -92,20 +92,15 @@ class KVEventQueue:
 
 EventSink = Callable[[KVEvent], None]
 
-# loader(device pages, their prefix hashes) -> how many leading pages it filled from a tier
-Loader = Callable[[Sequence[int], Sequence[BlockHash]], int]
-
 
 @dataclass
 class BlockHooks:
     """Attributes:
-    loader: fills new pages from the tiers during `alloc` (after the device prefix cache).
     emit: receives `BlockStored` for pages committed on the device.
     offloads: when a list, `step` appends ``(parent hash, hashes, group)`` for each run of newly
         committed pages, for the tiers to copy.
     """
 
-    loader: Loader | None = None
     emit: EventSink | None = None
     offloads: list[tuple[BlockHash | None, list[BlockHash], int]] | None = None
 

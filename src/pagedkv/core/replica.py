@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from pagedkv.core.context import RequestID, Retention, TextContext
 from pagedkv.core.events import BlockHooks, EventSink
+from pagedkv.core.groups import GroupManager
 from pagedkv.core.hashing import PrefixHasher
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy
@@ -24,7 +25,7 @@ from pagedkv.core.pool import BlockPool
 from pagedkv.core.queue_wants import QueueWants
 from pagedkv.core.state.checkpoints import RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.tables import BatchTables
-from pagedkv.core.tier_hits import TierGroups
+from pagedkv.core.tier_hits import TierGroups, TierLink
 
 __all__ = ["ReplicaBookkeeping"]
 
@@ -41,7 +42,9 @@ class ReplicaBookkeeping(Protocol):
     num_speculative_tokens: int
     states: StateCheckpoints | None  # recurrent-state rows and checkpoints; None for a model without state
     tier_groups: TierGroups  # which groups go down the tiers by hash, which hold tokens, which holds state
+    groups: list[GroupManager]  # one page policy per KV cache group, in table order
     num_tables: int  # page tables per request (KV cache groups)
+    tier_link: TierLink | None  # the tiers below (set by the manager's tier port), asked at a first alloc
 
     @property
     def tiers_by_hash(self) -> bool:
@@ -77,6 +80,10 @@ class ReplicaBookkeeping(Protocol):
 
     def swap_recommit(self, ctx: TextContext, record: Any) -> None:
         """Commit the restored pages that were committed before the swap (their bytes are back)."""
+
+    def restart_holders(self, pages: Iterable[int], rows: Iterable[int] = ()) -> list[RequestID]:
+        """After tier loads whose device copy failed into `pages` (already out of the prefix cache) or state
+        `rows`: every request holding one goes back to before it, table and context consistent. Returns them."""
 
     # ----------------------------------------------------------------- retention and pinning
     def expect(self, contexts: Sequence[TextContext]) -> int:

@@ -31,7 +31,7 @@ class RequestPages:
     digest: bytes = b""  # chain digest after hashes[-1]
     dummy: bool = False
     unwritten: int = -1  # commit_on_alloc: first page committed at alloc whose step has not run (-1: none)
-    context: Any = None  # the context its last `alloc` was given (a failed tier load rewinds it: `drop_failed_loads`)
+    context: Any = None  # the context its last `alloc` was given (a failed tier load rewinds it: `restart_holders`)
 
     def append(self, new_pages: Sequence[int]) -> None:
         """Add pages at the end of the table (the array grows by doubling)."""

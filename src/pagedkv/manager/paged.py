@@ -207,12 +207,13 @@ class PagedKVCacheManager:
         checks.check_request_id(request_id)
         if not bm.contains(request_id) and self._swapped.drop(request_id, replica_idx):
             return
-        if self.tiers.links:  # a tier copy staged for its state row or pages lands before either is reused; a
-            self.tiers.complete_loads()  # checkpoint saved into a run may evict pages an image copy still reads
-            self.tiers.before_alloc()
+        if self.tiers.state_connectors:  # a tier copy staged for its state row lands before the release saves
+            self.tiers.complete_loads()  # the row as a checkpoint; a checkpoint saved into a run may evict pages
+            self.tiers.before_alloc()  # an image copy still reads (pages alone: the connector orders their copies)
         bm.release(request_id)
-        self._apply_state_copies(replica_idx)  # a checkpoint saved at release copies before anyone moves on
-        if self.tiers.links:
+        if self.num_state_rows:
+            self._apply_state_copies(replica_idx)  # a checkpoint saved at release copies before anyone moves on
+        if self.tiers.state_connectors:
             self.tiers.push_states()
         self._checked(bm)
 

@@ -1,9 +1,9 @@
-"""`CoordinatorTiers`: the tiers below the device of one replica of a model with several KV cache groups.
+"""`ReplicaTiers`: the one port through which a replica's bookkeeping reaches the tiers below the device.
 
-A `KVCacheCoordinator` whose token groups are all full attention (every page
-of a prefix stays, so a page is worth keeping below by its hash), with or
-without recurrent state groups, asks these at a request's first `alloc`
-(`core.tier_hits.TierLink`):
+A replica whose token groups are all full attention (every page of a prefix
+stays, so a page is worth keeping below by its hash: a `BlockManager`, or a
+`KVCacheCoordinator` with or without recurrent state groups) asks these at a
+request's first `alloc` (`core.tier_hits.TierLink`):
 
 - pages go through `pages` (a `KVConnector` over the arena rows): group g's
   page of a prefix is stored under `tier_key(hash, g)` (the hash itself when
@@ -23,14 +23,14 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.events import BlockRemoved, BlockStored, EventSink, KVEvent
 from pagedkv.core.hashing import BlockHash
+from pagedkv.core.replica import ReplicaBookkeeping
 from pagedkv.offload.connector import KVConnector
 from pagedkv.offload.format import key_bytes
 from pagedkv.offload.state_images import StateImageMover
 
-__all__ = ["CoordinatorTiers", "state_events", "tier_key"]
+__all__ = ["ReplicaTiers", "state_events", "tier_key"]
 
 
 def tier_key(block_hash: BlockHash, group: int, groups: int) -> bytes:
@@ -96,11 +96,11 @@ def state_events(emit: EventSink, groups: Sequence[int]) -> EventSink:
     return relay
 
 
-class CoordinatorTiers:
-    """`TierLink` of one coordinator over `pages` (and `states`, for a model with recurrent state)."""
+class ReplicaTiers:
+    """`TierLink` of one replica's bookkeeping over `pages` (and `states`, for a model with recurrent state)."""
 
     def __init__(
-        self, bm: KVCacheCoordinator, pages: KVConnector, states: KVConnector | None, images: StateImageMover | None,
+        self, bm: ReplicaBookkeeping, pages: KVConnector, states: KVConnector | None, images: StateImageMover | None,
         events: PageEvents | None = None,
     ) -> None:  # fmt: skip
         self.bm = bm
@@ -202,7 +202,7 @@ class CoordinatorTiers:
 
     def _forget_unloaded(self, pages: list[int], keys: list[BlockHash]) -> None:
         """Pages whose copy failed leave the device prefix cache (those it still names for the hash they
-        were loaded for), and every request holding one restarts (`KVCacheCoordinator.restart_holders`)."""
+        were loaded for), and every request holding one restarts (`ReplicaBookkeeping.restart_holders`)."""
         pool, bad = self.bm.pool, []
         for page, key in zip(pages, keys, strict=True):
             block_hash, group = self._loaded.get(key_bytes(key), (None, 0))
@@ -213,7 +213,7 @@ class CoordinatorTiers:
 
     def _forget_unloaded_states(self, rows: list[int], keys: list[BlockHash]) -> None:
         """Checkpoint images whose copy into a live state row (and its tail pages) failed: the request
-        resuming from one restarts (`KVCacheCoordinator.restart_holders`)."""
+        resuming from one restarts (`ReplicaBookkeeping.restart_holders`)."""
         self.bm.restart_holders((), rows)
 
     @property

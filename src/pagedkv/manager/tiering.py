@@ -1,21 +1,19 @@
 """`Tiering`: the connectors (one per replica) and KV events of a `PagedKVCacheManager`.
 
-It hooks each replica's `BlockManager` (`hooks.loader` = the connector's
-`load`, `hooks.offloads` = the runs `step` commits) and calls the connector
-at the points of the per-step order of Modular MAX's KV connector:
-`before_forward` (run the device copies `load` staged during `alloc`, then
-start offloads) from `runtime_inputs`, `before_step` (wait for offloads)
-and `after_step` (publish events) around `step`.
+Every replica whose pages can go down the tiers by hash (one group, or every token group full attention,
+with or without recurrent state) reaches them through one port, a `ReplicaTiers` set as its `tier_link`:
+its first `alloc` asks it for the pages (and state checkpoints) after the device hit, its `step` queues
+the runs it committed (`hooks.offloads`), and a failed copy restarts the requests holding the page
+(`restart_holders`). Tiering calls the connectors at the points of the per-step order of Modular MAX's
+KV connector: `before_forward` (run the device copies `load` staged during `alloc`, then start offloads)
+from `runtime_inputs`, `before_step` (wait for offloads) and `after_step` (publish events) around `step`;
+with no connector and no event listener (`active` False) the manager makes none of these calls.
 
-A model of several KV cache groups (a `KVCacheCoordinator`) whose token
-groups are all full attention, with or without recurrent state, gets the
-same tiers through a `CoordinatorTiers` (`tier_link`): pages by (group,
-hash), and state checkpoints as images under their keys, in a second
-connector that takes a third of the host rows and of the disk cap
-(`STATE_TIER_SHARE`). A hybrid with windowed groups (sliding window,
-chunked local, sinks) gets host rows for swap preemption only, with
-``kv_connector="local"``: none of its pages goes down the tiers by hash.
-Models with recurrent state are never swapped (they resume from checkpoints).
+Pages go by (group, hash); state checkpoints go as images under their keys, in a second connector that
+takes a third of the host rows and of the disk cap (`STATE_TIER_SHARE`). A hybrid with windowed groups
+(sliding window, chunked local, sinks) gets host rows for swap preemption only, with
+``kv_connector="local"``: none of its pages goes down the tiers by hash. Models with recurrent state are
+never swapped (they resume from checkpoints).
 
 `alloc` does no tensor work: a page found below is committed as a hit at
 once, but its bytes reach the device page only at `complete_loads`, which
@@ -29,14 +27,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pagedkv.core.block_manager import BlockManager
-from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.events import AllBlocksCleared, KVEventBatch, KVEventQueue
-from pagedkv.core.hashing import BlockHash
 from pagedkv.core.memory import compute_num_host_blocks
 from pagedkv.core.replica import ReplicaBookkeeping
 from pagedkv.core.tier_stats import TierStats
-from pagedkv.manager.tier_link import CoordinatorTiers, PageEvents, state_events
+from pagedkv.manager.tier_link import PageEvents, ReplicaTiers, state_events
 from pagedkv.multi_params import KVCacheParamInterface
 from pagedkv.params import KVConnectorType
 
@@ -61,7 +56,7 @@ class Tiering:
         self.listeners: list[Listener] = []
         self.seq = 0
         self.connectors: list[Any] = []
-        self.links: list[CoordinatorTiers] = []  # one per replica of a model of several groups with tiers by hash
+        self.links: list[ReplicaTiers] = []  # one per replica whose pages go down the tiers by hash
         self.state_connectors: list[Any] = []  # the links' state checkpoint connectors
         self.swap_spaces: list[Any] = []  # one `SwapSpace` per replica when a host tier exists
         self.active = False  # connectors or listeners: False means the per-step calls have nothing to do
@@ -101,18 +96,13 @@ class Tiering:
             events = PageEvents(queue.emit, TRACKED_KEYS) if several else None
             connector = create_connector(params, buffer, page_rows, emit=events or queue.emit, mover=mover,
                                          disk_bytes=disk)  # fmt: skip
-            if isinstance(bm, KVCacheCoordinator):
-                if by_hash:  # (otherwise its host rows serve swap preemption only)
-                    states, image_mover = images or (None, None)
-                    link = CoordinatorTiers(bm, connector, states, image_mover, events)
-                    self.state_connectors.extend(link.connectors[1:])
-                    bm.tier_link = link
-                    bm.hooks.offloads = []
-                    self.links.append(link)
-            elif isinstance(bm, BlockManager):
-                bm.hooks.loader = connector.load  # stages only; `complete_loads` copies
+            if by_hash:  # (otherwise its host rows serve swap preemption only)
+                states, image_mover = images or (None, None)
+                link = ReplicaTiers(bm, connector, states, image_mover, events)
+                self.state_connectors.extend(link.connectors[1:])
+                bm.tier_link = link
                 bm.hooks.offloads = []
-                connector.on_failed_loads = self._forget_unloaded(bm)
+                self.links.append(link)
             self.connectors.append(connector)
         self.active = True
         if self.connectors[0].num_host_blocks and not stateful:
@@ -137,8 +127,7 @@ class Tiering:
         took from a tier holds its bytes. Call before reading device pages outside `runtime_inputs`.
 
         A failed copy raises `LoadCopyError` after its pages left the device prefix cache (no later
-        request hits them) and every request holding one was rolled back (`BlockManager.drop_failed_loads`,
-        `KVCacheCoordinator.restart_holders`): every table and context is consistent, and the next `alloc`
+        request hits them) and every request holding one was rolled back (`restart_holders`): every table and context is consistent, and the next `alloc`
         of each such request computes (or loads again) what it lost.
         """
         failed: Exception | None = None
@@ -168,17 +157,6 @@ class Tiering:
             out.update(link.states.stats)
         return out
 
-    @staticmethod
-    def _forget_unloaded(bm: BlockManager) -> Callable[[list[int], list[BlockHash]], None]:
-        """The connector's `on_failed_loads` for `bm` (a `BlockManager`): pages whose copy failed leave the
-        prefix cache, and every request holding one is rolled back to before it (`drop_failed_loads`): each
-        live request stays consistent, and its next `alloc` computes what the failed pages were to hold."""
-
-        def forget(pages: list[int], hashes: list[BlockHash]) -> None:
-            bm.drop_failed_loads(pages, hashes)
-
-        return forget
-
     def sync(self) -> None:
         """Run staged loads, push every queued page down and wait until every tier has written it."""
         self.complete_loads()
@@ -191,20 +169,6 @@ class Tiering:
         state checkpoints saved since the last push."""
         for link in self.links:
             link.push()
-        for bm, connector in zip(self.managers, self.connectors, strict=False):  # (a link drained its own)
-            runs = bm.hooks.offloads  # (None: this replica's pages do not go down by hash)
-            if not runs:
-                continue
-            bm.hooks.offloads = []
-            for parent, hashes, _ in runs:
-                pages = []
-                for block_hash in hashes:  # stop at the first page evicted since its commit: no gap
-                    page = bm.pool.cached_page(block_hash)
-                    if page is None:
-                        break
-                    pages.append(page)
-                if pages:
-                    connector.offload(pages, hashes[: len(pages)], parent)
 
     def push_states(self) -> None:
         """Start copying the state checkpoints saved since the last push down the tiers (at `step` and `release`,
@@ -270,7 +234,6 @@ class Tiering:
                 connector.shutdown()
             for bm, connector in zip(self.managers, self.connectors, strict=False):
                 connector.shutdown()
-                bm.hooks.loader = None
                 bm.hooks.offloads = None
             for link in self.links:
                 link.detach()

@@ -94,7 +94,7 @@ class KVConnector:
     # ----------------------------------------------------------------- load
     def load(self, block_ids: Sequence[int], hashes: Sequence[BlockHash]) -> int:
         """Stage page `hashes[i]` for device page `block_ids[i]` over the longest prefix the tiers hold;
-        returns its length (the `BlockHooks.loader` contract: those pages will be filled).
+        returns its length (the `TierLink.load_pages` contract: those pages will be filled).
 
         No device page is read or written: host rows found are pinned, lower-tier pages are fetched
         and checked into (pinned) host rows or a staging buffer, and one copy per page is staged;
