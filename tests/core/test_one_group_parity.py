@@ -144,3 +144,24 @@ def test_one_group_coordinator_serves_as_the_block_manager(policy: str, leaves: 
     assert replay(coordinator, seed) == expected
     assert sum(1 for e in expected if e[0] == "hit" and e[2]) > 10  # the traffic hits and evicts
     assert expected[-2][3] > 0  # type: ignore[index]
+
+
+def test_pages_committed_at_alloc_and_swapped_out_unwritten_are_not_recommitted() -> None:
+    """`commit_on_alloc`: a request swapped out between its alloc and its step holds pages committed at alloc
+    whose KV was never written; its restore must not put them back in the prefix cache (both alike)."""
+    seen = []
+    for bm in pair("lru", False, pages=16, scheduled=True):
+        a = TextContext("a", np.arange(1, 14))  # 13 tokens: pages 0-2 committed at alloc
+        bm.claim("a")
+        bm.alloc(a)
+        pages, record = bm.swap_snapshot("a")
+        bm.release("a")
+        assert record.committed == 0 and bm.pool.num_cached == 0
+        todo = bm.swap_restore(a, record)
+        bm.swap_recommit(a, record)
+        assert [i for i, _ in todo] == [0, 1, 2, 3] and bm.pool.num_cached == 0  # nothing written: all copied
+        bm.check_integrity()
+        bm.release("a")  # never stepped
+        assert bm.pool.num_cached == 0
+        seen.append((pages, todo))
+    assert seen[0] == seen[1]

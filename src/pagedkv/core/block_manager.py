@@ -394,9 +394,11 @@ class BlockManager:
     #     bm.swap_recommit(ctx, record)           # committed pages back in the prefix cache
     # The context is never reset: the request resumes where it stopped.
     def swap_snapshot(self, request_id: RequestID) -> tuple[list[int], SwappedRequest]:
-        """The request's pages in logical order and its `SwappedRequest` (one group). No side effects."""
+        """The request's pages in logical order and its `SwappedRequest` (one group). No side effects. Pages
+        committed at alloc whose KV no step has written yet are not recorded as committed (not recommitted)."""
         st = self._claimed(request_id)
-        record = SwappedRequest(((True,) * st.num_pages,), (0,), st.committed, 0, tuple(st.hashes), st.digest)
+        committed = st.unwritten if st.unwritten >= 0 else st.committed
+        record = SwappedRequest(((True,) * st.num_pages,), (0,), committed, 0, tuple(st.hashes), st.digest)
         return st.pages[: st.num_pages].tolist(), record
 
     def swap_restore(self, ctx: TextContext, record: SwappedRequest) -> list[tuple[int, int]]:

@@ -56,10 +56,12 @@ class HybridRequest:
 
 
 def snapshot_request(st: HybridRequest, null: int) -> tuple[list[int], SwappedRequest]:
-    """Every page `st` holds (group by group, table order) and the `SwappedRequest` that rebuilds it."""
+    """Every page `st` holds (group by group, table order) and the `SwappedRequest` that rebuilds it. Pages
+    committed at alloc whose KV no step has written yet are not recorded as committed (not recommitted)."""
     tables = [t.pages[: t.num_pages].tolist() for t in st.tables]
+    committed = st.unwritten if st.unwritten >= 0 else st.committed
     record = SwappedRequest(
-        tuple(tuple(p != null for p in table) for table in tables), tuple(st.dropped), st.committed, st.shared,
+        tuple(tuple(p != null for p in table) for table in tables), tuple(st.dropped), committed, st.shared,
         tuple(st.hashes), st.digest,
     )  # fmt: skip
     return [p for table in tables for p in table if p != null], record
