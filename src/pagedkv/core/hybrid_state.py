@@ -1,5 +1,6 @@
-"""Per-request state of `KVCacheCoordinator`, the prefix-hit search over its groups and the giving back of a
-request's pages (`release_pages`, `restart_holders`) (pure Python)."""
+"""Per-request state of `KVCacheCoordinator`, the prefix-hit search over its groups, a swapped-out request's
+snapshot and restore (`snapshot_request`, `swap_hits`, `restore_request`) and the giving back of a request's
+pages (`release_pages`, `restart_holders`) (pure Python)."""
 
 from __future__ import annotations
 
