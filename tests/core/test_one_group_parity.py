@@ -27,10 +27,14 @@ def pair(policy: str, leaves: bool, pages: int, scheduled: bool = False) -> tupl
     return one, KVCacheCoordinator(pages, PAGE, [FullAttentionManager(0, PAGE)], **kwargs)  # type: ignore[arg-type]
 
 
-def replay(bm: BlockManager | KVCacheCoordinator, seed: int, scheduled: bool = False) -> list[object]:
+def replay(
+    bm: BlockManager | KVCacheCoordinator, seed: int, scheduled: bool = False, swaps: bool = False
+) -> list[object]:
     """A seeded mix of shared-prefix prompts with retention priorities: up to 3 running at once, each
-    prefilled then decoded a few tokens, released in random order. Returns what every call observed."""
+    prefilled then decoded a few tokens, released in random order (with `swaps`, some swapped out instead:
+    snapshot and release, later restored and recommitted, then decoded on). Returns what every call observed."""
     rng = random.Random(seed)
+    swapped: dict[int, tuple[TextContext, object]] = {}
     prefixes = [[rng.randrange(1, 500) for _ in range(rng.choice([8, 12, 17]))] for _ in range(4)]
     running: dict[int, TextContext] = {}
     seen: list[object] = []
@@ -42,6 +46,22 @@ def replay(bm: BlockManager | KVCacheCoordinator, seed: int, scheduled: bool = F
             queue[-1].retention = Retention(rng.choice([10, 60, 90]), rng.choice([None, 5.0]))
     for rid in range(60):
         ctx = queue[rid]
+        for r in sorted(swapped):  # swapped-out requests come back when the pool has room
+            if rng.random() < 0.5:
+                continue
+            c, record = swapped[r]
+            before = (bm.pool.free_order(), bm.pool.num_cached, bm.request_ids())
+            try:
+                todo = bm.swap_restore(c, record)  # type: ignore[arg-type]
+            except InsufficientBlocksError as error:
+                assert (bm.pool.free_order(), bm.pool.num_cached, bm.request_ids()) == before
+                seen.append(("in-full", r, str(error)))
+                continue
+            seen.append(("in", r, todo, bm.get_req_blocks(r)))
+            bm.swap_recommit(c, record)  # type: ignore[arg-type]
+            seen.append(("recommit", r, bm.get_req_blocks(r), bm.pool.num_cached))
+            del swapped[r]
+            running[r] = c
         if rng.random() < 0.5:  # the scheduler tells the manager its waiting queue's head
             seen.append(("expect", bm.expect(queue[rid : rid + rng.randrange(1, 5)])))
         if rng.random() < 0.1:
@@ -77,6 +97,10 @@ def replay(bm: BlockManager | KVCacheCoordinator, seed: int, scheduled: bool = F
             seen.append(("decode", r, bm.get_req_blocks(r)))
         while len(running) > 2 or (running and rng.random() < 0.3):
             r = rng.choice(sorted(running))
+            if swaps and rng.random() < 0.5:  # preempted by swap: its pages copied out, then released
+                pages, record = bm.swap_snapshot(r)
+                seen.append(("out", r, pages, record.num_pages))
+                swapped[r] = (running[r], record)
             bm.release(r)
             del running[r]
         bm.check_integrity()
@@ -84,6 +108,21 @@ def replay(bm: BlockManager | KVCacheCoordinator, seed: int, scheduled: bool = F
     m = bm.metrics
     seen.append(("metrics", m.input_tokens, m.cache_tokens, m.evictions))
     return seen
+
+
+@pytest.mark.parametrize("scheduled", [False, True])
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_swap_preemption_is_the_same_on_both(policy: str, seed: int, scheduled: bool) -> None:
+    """Requests swapped out (snapshot, release) and later restored and recommitted: the same fresh pages,
+    (index in the snapshot's page list, page) pairs to copy back, device-cached prefix pages reused and tables
+    on both, call for call."""
+    one, coordinator = pair(policy, False, pages=24, scheduled=scheduled)
+    expected = replay(one, seed, scheduled, swaps=True)
+    assert replay(coordinator, seed, scheduled, swaps=True) == expected
+    restores = [e for e in expected if e[0] == "in"]
+    assert any(len(e[2]) < len(e[3]) for e in restores)  # type: ignore[arg-type]  # cached prefix pages reused
+    assert any(e[2] for e in restores)  # and fresh pages to copy back
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -105,3 +144,24 @@ def test_one_group_coordinator_serves_as_the_block_manager(policy: str, leaves: 
     assert replay(coordinator, seed) == expected
     assert sum(1 for e in expected if e[0] == "hit" and e[2]) > 10  # the traffic hits and evicts
     assert expected[-2][3] > 0  # type: ignore[index]
+
+
+def test_pages_committed_at_alloc_and_swapped_out_unwritten_are_not_recommitted() -> None:
+    """`commit_on_alloc`: a request swapped out between its alloc and its step holds pages committed at alloc
+    whose KV was never written; its restore must not put them back in the prefix cache (both alike)."""
+    seen = []
+    for bm in pair("lru", False, pages=16, scheduled=True):
+        a = TextContext("a", np.arange(1, 14))  # 13 tokens: pages 0-2 committed at alloc
+        bm.claim("a")
+        bm.alloc(a)
+        pages, record = bm.swap_snapshot("a")
+        bm.release("a")
+        assert record.committed == 0 and bm.pool.num_cached == 0
+        todo = bm.swap_restore(a, record)
+        bm.swap_recommit(a, record)
+        assert [i for i, _ in todo] == [0, 1, 2, 3] and bm.pool.num_cached == 0  # nothing written: all copied
+        bm.check_integrity()
+        bm.release("a")  # never stepped
+        assert bm.pool.num_cached == 0
+        seen.append((pages, todo))
+    assert seen[0] == seen[1]

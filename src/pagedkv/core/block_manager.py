@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from pagedkv.core.checks import check_manager_args, check_tables
+from pagedkv.core.checks import check_manager_args, check_swap_restore, check_tables
 from pagedkv.core.context import RequestID, Retention, TextContext, as_token_array
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.events import BlockHooks, BlockRemoved, EventSink
@@ -42,7 +42,7 @@ from pagedkv.core.state.checkpoints import RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.tables import (
     BatchTables,
     RequestPages,
-    SwappedPages,
+    SwappedRequest,
     build_tables,
     check_batch,
     claimed_state,
@@ -391,35 +391,27 @@ class BlockManager:
     #     (the caller copies the swapped KV into the `todo` pages)
     #     bm.swap_recommit(ctx, record)           # committed pages back in the prefix cache
     # The context is never reset: the request resumes where it stopped.
-    def swap_snapshot(self, request_id: RequestID) -> tuple[list[int], SwappedPages]:
-        """The request's pages in logical order and its `SwappedPages`. No side effects."""
+    def swap_snapshot(self, request_id: RequestID) -> tuple[list[int], SwappedRequest]:
+        """The request's pages in logical order and its `SwappedRequest` (one group). No side effects. Pages
+        committed at alloc whose KV no step has written yet are not recorded as committed (not recommitted)."""
         st = self._claimed(request_id)
-        record = SwappedPages(st.num_pages, st.committed, tuple(st.hashes), st.digest)
+        committed = st.unwritten if st.unwritten >= 0 else st.committed
+        record = SwappedRequest(((True,) * st.num_pages,), (0,), committed, 0, tuple(st.hashes), st.digest)
         return st.pages[: st.num_pages].tolist(), record
 
-    def swap_restore(self, ctx: TextContext, record: SwappedPages) -> list[tuple[int, int]]:
+    def swap_restore(self, ctx: TextContext, record: SwappedRequest) -> list[tuple[int, int]]:
         """Claim ``ctx.request_id`` again with a table of ``record.num_pages`` pages: the leading
         committed pages the device prefix cache still holds, then fresh pages.
 
-        Returns ``(logical index, page)`` for every fresh page: the caller must copy the swapped
-        KV of that index into it before the next forward. Raises `InsufficientBlocksError` /
-        `ValueError` and changes nothing when the pool lacks pages or the request is claimed.
+        Returns ``(index in the snapshot's page list, page)`` for every fresh page (here the logical
+        index): the caller must copy the swapped KV of that index into it before the next forward.
+        Raises `InsufficientBlocksError` / `ValueError` and changes nothing when the pool lacks pages,
+        the request is claimed or the record is not of one group.
         """
-        if ctx.request_id in self._reqs:
-            raise ValueError(
-                f"request {ctx.request_id!r} is claimed; only a released (swapped-out) request is restored"
-            )
         pool = self.pool
         hits = pool.lookup(list(record.hashes), 0, record.committed) if self.enable_prefix_caching else []
         need = record.num_pages - len(hits)
-        available = pool.num_free - pool.count_unreferenced(hits)
-        if need > available:
-            raise InsufficientBlocksError(
-                f"Cannot get {need} free blocks to swap request {ctx.request_id!r} back in (only {available} "
-                f"available; {pool.num_used}/{pool.num_blocks} blocks currently in use)",
-                needed=need,
-                available=available,
-            )
+        check_swap_restore(ctx.request_id, ctx.request_id in self._reqs, 1, len(record.live), False, pool, need, hits)
         st = self._reqs[ctx.request_id] = RequestPages()
         pool.touch(hits)
         fresh = pool.allocate(need)
@@ -431,7 +423,7 @@ class BlockManager:
         st.context = ctx
         return [(len(hits) + i, page) for i, page in enumerate(fresh)]
 
-    def swap_recommit(self, ctx: TextContext, record: SwappedPages) -> None:
+    def swap_recommit(self, ctx: TextContext, record: SwappedRequest) -> None:
         """Commit the restored pages that were committed before the swap (after their KV is back)."""
         st = self._claimed(ctx.request_id)
         if record.committed > st.committed:

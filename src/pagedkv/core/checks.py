@@ -110,17 +110,20 @@ def check_hybrid_tables(
 
 
 def check_swap_restore(
-    request_id: Hashable, claimed: bool, groups: int, record_groups: int, stateful: bool, pool: BlockPool, need: int
-) -> None:
-    """Why a swapped-out hybrid request cannot be restored (`KVCacheCoordinator.swap_restore`): claimed, a
-    record of another group count, a model with recurrent state, or `need` pages more than the pool has."""
+    request_id: Hashable, claimed: bool, groups: int, record_groups: int, stateful: bool, pool: BlockPool, need: int,
+    hits: Sequence[int] = (),
+) -> None:  # fmt: skip
+    """Why a swapped-out request cannot be restored (`swap_restore` of `BlockManager` and `KVCacheCoordinator`):
+    claimed, a record of another group count, a model with recurrent state, or `need` fresh pages more than the
+    pool has once the cached pages `hits` it reuses are taken out of the free count."""
     if claimed:
         raise ValueError(f"request {request_id!r} is claimed; only a released (swapped-out) request is restored")
     if record_groups != groups:
-        raise ValueError(f"record has {record_groups} groups, this coordinator {groups}")
+        raise ValueError(f"record has {record_groups} groups but this bookkeeping has {groups}")
     if stateful:
         raise ValueError("a model with recurrent state is not swapped (see swap_snapshot)")
-    available = pool.num_free - pool.num_protected
+    lost = sum(1 for p in hits if pool.ref_count(p) == 0 and not pool.is_protected(p))  # (touched: no longer free)
+    available = pool.num_free - pool.num_protected - lost
     if need > available:
         raise InsufficientBlocksError(
             f"Cannot get {need} free blocks to swap request {request_id!r} back in (only {available} "

@@ -33,7 +33,7 @@ from pagedkv.core.errors import require as _require
 from pagedkv.core.events import BlockHooks, BlockRemoved, EventSink
 from pagedkv.core.groups import GroupManager, StepSpan
 from pagedkv.core.hashing import BlockHash, PrefixHasher, check_salt
-from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, SwappedGroups, find_hit
+from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, find_hit
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy
 from pagedkv.core.pool import BlockPool
@@ -43,6 +43,7 @@ from pagedkv.core.state.resume import StateResume
 from pagedkv.core.tables import (
     BatchTables,
     RequestPages,
+    SwappedRequest,
     check_batch,
     claimed_state,
     claimed_states,
@@ -531,29 +532,41 @@ class KVCacheCoordinator:
     # ----------------------------------------------------------------- swap preemption
     # As `BlockManager`'s: the caller copies the pages out, releases, later restores, copies the bytes back
     # into the fresh pages and recommits. The context is never reset: the request resumes where it stopped.
-    def swap_snapshot(self, request_id: RequestID) -> tuple[list[int], SwappedGroups]:
-        """Every page the request holds (group by group, table order) and its `SwappedGroups`. No side effects."""
+    def swap_snapshot(self, request_id: RequestID) -> tuple[list[int], SwappedRequest]:
+        """Every page the request holds (group by group, table order) and its `SwappedRequest`. No side effects."""
         st = self._claimed(request_id)
         if self.states is not None:
             raise ValueError(f"request {request_id!r}: a model with recurrent state is not swapped; preempt it by "
                              "release: its state is kept as a checkpoint and its next admission resumes from it")  # fmt: skip
         return hybrid_state.snapshot_request(st, self.pool.null_block)
 
-    def swap_restore(self, ctx: TextContext, record: SwappedGroups) -> list[tuple[int, int]]:
-        """Claim ``ctx.request_id`` again with tables shaped as before the swap, every live entry a
-        fresh page. Returns ``(index in the snapshot's page list, page)`` for every page: the caller
-        copies the swapped bytes into them before the next forward, then calls `swap_recommit`. Raises
-        `InsufficientBlocksError` / `ValueError` and changes nothing when the pool lacks pages or the
-        request is claimed."""
-        pool, need = self.pool, record.num_pages
+    def swap_restore(self, ctx: TextContext, record: SwappedRequest) -> list[tuple[int, int]]:
+        """Claim ``ctx.request_id`` again with tables shaped as before the swap: the leading committed pages
+        the device prefix cache still holds in every cacheable group are reused (`hybrid_state.swap_hits`;
+        null entries stay null), every other live entry takes a fresh page. Returns ``(index in the snapshot's
+        page list, page)`` for every fresh page: the caller copies the swapped bytes into them before the next
+        forward, then calls `swap_recommit`. Raises `InsufficientBlocksError` / `ValueError` and changes
+        nothing when the pool lacks pages, the request is claimed, the record has another group count or the
+        model has recurrent state."""
+        pool, null = self.pool, self.pool.null_block
+        hits: list[list[int]] = [[] for _ in record.live]
+        h = 0
+        if self.enable_prefix_caching and len(record.live) == len(self.groups):
+            h, hits = hybrid_state.swap_hits(self.groups, pool, record)
+        reused = [p for pages in hits for p in pages]
+        need = record.num_pages - len(reused)
         check_swap_restore(ctx.request_id, ctx.request_id in self._reqs, len(self.groups), len(record.live),
-                           self.states is not None, pool, need)  # fmt: skip
+                           self.states is not None, pool, need, reused)  # fmt: skip
+        for pages in hits:  # (group by group, as an alloc's hit)
+            pool.touch(pages)
         fresh = pool.allocate(need) if need else []
-        st = self._reqs[ctx.request_id] = hybrid_state.restore_request(record, fresh, pool.null_block)
+        st, todo = hybrid_state.restore_request(record, h, hits, fresh, null)
+        st.context = ctx
+        self._reqs[ctx.request_id] = st
         self._refresh(st)
-        return list(enumerate(fresh))
+        return todo
 
-    def swap_recommit(self, ctx: TextContext, record: SwappedGroups) -> None:
+    def swap_recommit(self, ctx: TextContext, record: SwappedRequest) -> None:
         """Commit the restored pages that were committed before the swap (after their bytes are back);
         a page whose hash another copy now caches is merged into it."""
         st = self._claimed(ctx.request_id)

@@ -1,5 +1,6 @@
-"""Per-request state of `KVCacheCoordinator`, the prefix-hit search over its groups and the giving back of a
-request's pages (`release_pages`, `restart_holders`) (pure Python)."""
+"""Per-request state of `KVCacheCoordinator`, the prefix-hit search over its groups, a swapped-out request's
+snapshot and restore (`snapshot_request`, `swap_hits`, `restore_request`) and the giving back of a request's
+pages (`release_pages`, `restart_holders`) (pure Python)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from pagedkv.core.context import TextContext
 from pagedkv.core.groups import FAR, GroupManager
 from pagedkv.core.hashing import BlockHash
 from pagedkv.core.pool import BlockPool
-from pagedkv.core.tables import BatchTables, RequestPages, assemble_tables, required_pages
+from pagedkv.core.tables import BatchTables, RequestPages, SwappedRequest, assemble_tables, required_pages
 
 __all__ = [
-    "FAR", "HybridRequest", "Plan", "SwappedGroups", "find_hit", "group_tables", "prefix_misses", "release_order",
-    "release_pages", "restart_holders", "restore_request", "snapshot_request",
+    "FAR", "HybridRequest", "Plan", "find_hit", "group_tables", "prefix_misses", "release_order",
+    "release_pages", "restart_holders", "restore_request", "snapshot_request", "swap_hits",
 ]  # fmt: skip
 
 
@@ -55,44 +56,63 @@ class HybridRequest:
         return cut if cut > 0 else None
 
 
-@dataclass(frozen=True)
-class SwappedGroups:
-    """A swapped-out hybrid request's tables, enough to rebuild them entry for entry
-    (`KVCacheCoordinator.swap_restore`): per group, which entries held a page (the others were
-    dropped out of a window: the null page), and the request's progress through the prefix cache."""
-
-    live: tuple[tuple[bool, ...], ...]  # per group, per table entry: a page (True) or the null page
-    dropped: tuple[int, ...]
-    committed: int  # leading logical pages that were in the prefix cache (recommitted after the copy)
-    shared: int
-    hashes: tuple[BlockHash, ...]
-    digest: bytes
-
-    @property
-    def num_pages(self) -> int:
-        """Pages the request held (and takes back): every live entry of every group."""
-        return sum(sum(entries) for entries in self.live)
-
-
-def snapshot_request(st: HybridRequest, null: int) -> tuple[list[int], SwappedGroups]:
-    """Every page `st` holds (group by group, table order) and the `SwappedGroups` that rebuilds it."""
+def snapshot_request(st: HybridRequest, null: int) -> tuple[list[int], SwappedRequest]:
+    """Every page `st` holds (group by group, table order) and the `SwappedRequest` that rebuilds it. Pages
+    committed at alloc whose KV no step has written yet are not recorded as committed (not recommitted)."""
     tables = [t.pages[: t.num_pages].tolist() for t in st.tables]
-    record = SwappedGroups(
-        tuple(tuple(p != null for p in table) for table in tables), tuple(st.dropped), st.committed, st.shared,
+    committed = st.unwritten if st.unwritten >= 0 else st.committed
+    record = SwappedRequest(
+        tuple(tuple(p != null for p in table) for table in tables), tuple(st.dropped), committed, st.shared,
         tuple(st.hashes), st.digest,
     )  # fmt: skip
     return [p for table in tables for p in table if p != null], record
 
 
-def restore_request(record: SwappedGroups, fresh: list[int], null: int) -> HybridRequest:
-    """A request shaped as `record`, each live entry one of `fresh` (in snapshot order), nothing committed."""
-    st = HybridRequest([RequestPages() for _ in record.live], list(record.dropped))
-    taken = iter(fresh)
-    for table, live in zip(st.tables, record.live, strict=True):
-        if live:
-            table.append([next(taken) if alive else null for alive in live])
+def swap_hits(groups: Sequence[GroupManager], pool: BlockPool, record: SwappedRequest) -> tuple[int, list[list[int]]]:
+    """The device-cached prefix a restore of `record` reuses: ``(h, pages)``, h the longest run of its committed
+    pages such that, at every index below it, every cacheable group's live entry has its page still cached
+    under that index's hash in that group; ``pages[g]`` the cached pages of group g's live entries below h
+    (empty for a group that caches nothing). No side effects."""
+    cacheable = [g for g, gm in enumerate(groups) if gm.cacheable and g < len(record.live)]
+    cached, hashes = pool.cached_page, record.hashes
+    found: list[list[int]] = [[] for _ in groups]
+    h = 0
+    for i in range(min(record.committed, len(hashes))):
+        row = [(g, cached(hashes[i], g)) for g in cacheable if i < len(record.live[g]) and record.live[g][i]]
+        if any(page is None for _, page in row):
+            break
+        for g, page in row:
+            found[g].append(page)  # type: ignore[arg-type]
+        h = i + 1
+    return h, found
+
+
+def restore_request(
+    record: SwappedRequest, h: int, hits: list[list[int]], fresh: list[int], null: int
+) -> tuple[HybridRequest, list[tuple[int, int]]]:
+    """A request shaped as `record`, committed up to `h`: each group's live entries below h are its `hits`
+    (`swap_hits`), the other live entries `fresh` (in snapshot order). Returns it and ``(index in the
+    snapshot's page list, page)`` for every fresh page (those whose bytes the caller copies back)."""
+    st = HybridRequest([RequestPages() for _ in record.live], list(record.dropped), committed=h)
+    taken, reused = iter(fresh), [iter(pages) for pages in hits]  # (one list per group)
+    todo: list[tuple[int, int]] = []
+    index = 0
+    for g, (table, live) in enumerate(zip(st.tables, record.live, strict=True)):
+        entries = []
+        for i, alive in enumerate(live):
+            if not alive:
+                entries.append(null)
+                continue
+            page = next(reused[g], None) if i < h else None  # (a group that caches nothing has no hits)
+            if page is None:
+                page = next(taken)
+                todo.append((index, page))
+            entries.append(page)
+            index += 1
+        if entries:
+            table.append(entries)
     st.hashes, st.digest, st.shared = list(record.hashes), record.digest, record.shared
-    return st
+    return st, todo
 
 
 @dataclass(frozen=True, eq=False)

@@ -24,7 +24,7 @@ from pagedkv.core.partial_pages import PageCopy
 from pagedkv.core.pool import BlockPool
 from pagedkv.core.queue_wants import QueueWants
 from pagedkv.core.state.checkpoints import RunCopy, StateCheckpoints, StateCopy
-from pagedkv.core.tables import BatchTables
+from pagedkv.core.tables import BatchTables, SwappedRequest
 from pagedkv.core.tier_hits import TierGroups, TierLink
 
 __all__ = ["ReplicaBookkeeping"]
@@ -71,14 +71,14 @@ class ReplicaBookkeeping(Protocol):
         """Forget `request_id` and free its pages, tail first. ValueError if it is not claimed."""
 
     # ----------------------------------------------------------------- swap preemption
-    def swap_snapshot(self, request_id: RequestID) -> tuple[list[int], Any]:
+    def swap_snapshot(self, request_id: RequestID) -> tuple[list[int], SwappedRequest]:
         """The pages to copy out and the record `swap_restore` takes. No side effects."""
 
-    def swap_restore(self, ctx: TextContext, record: Any) -> list[tuple[int, int]]:
+    def swap_restore(self, ctx: TextContext, record: SwappedRequest) -> list[tuple[int, int]]:
         """Claim ``ctx.request_id`` again shaped as `record`; returns (index in the snapshot, fresh page) for
         every page whose bytes the caller copies back before the next forward."""
 
-    def swap_recommit(self, ctx: TextContext, record: Any) -> None:
+    def swap_recommit(self, ctx: TextContext, record: SwappedRequest) -> None:
         """Commit the restored pages that were committed before the swap (their bytes are back)."""
 
     def restart_holders(self, pages: Iterable[int], rows: Iterable[int] = ()) -> list[RequestID]:

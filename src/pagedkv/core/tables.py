@@ -14,7 +14,7 @@ from pagedkv.core.errors import MissingPagesError
 from pagedkv.core.hashing import BlockHash, PrefixHasher
 from pagedkv.validation import INT32_MAX, check_int
 
-__all__ = ["RequestPages", "BatchTables", "SwappedPages", "assemble_tables", "build_tables", "check_batch",
+__all__ = ["RequestPages", "BatchTables", "SwappedRequest", "assemble_tables", "build_tables", "check_batch",
            "claimed_state", "claimed_states", "lut_columns", "more_keys", "required_pages"]  # fmt: skip
 
 _NO_PAGES = np.zeros(0, dtype=np.int32)
@@ -54,13 +54,25 @@ class RequestPages:
 
 
 @dataclass(frozen=True)
-class SwappedPages:
-    """A swapped-out request's table, enough to rebuild it page for page (`BlockManager.swap_restore`)."""
+class SwappedRequest:
+    """A swapped-out request's page tables, enough to rebuild them entry for entry (`swap_restore` of
+    `BlockManager` and `KVCacheCoordinator`): per group, which entries held a page (the others were dropped
+    out of a window: the null page), and the request's progress through the prefix cache.
 
-    num_pages: int
-    committed: int  # leading pages that were in the prefix cache
+    The pages `swap_snapshot` hands out are the live entries, group by group in table order: the
+    "index in the snapshot's page list" that `swap_restore` returns with each fresh page counts them."""
+
+    live: tuple[tuple[bool, ...], ...]  # per group, per table entry: a page (True) or the null page
+    dropped: tuple[int, ...]  # per group: the window's dropped count
+    committed: int  # leading logical pages that were in the prefix cache (recommitted after the copy)
+    shared: int  # leading pages it shared with the cache (never dropped)
     hashes: tuple[BlockHash, ...]
     digest: bytes
+
+    @property
+    def num_pages(self) -> int:
+        """Pages the request held (the host rows its copy takes): every live entry of every group."""
+        return sum(sum(entries) for entries in self.live)
 
 
 def more_keys(hasher: PrefixHasher, st: Any, ctx: TextContext, n_pages: int) -> tuple[list[BlockHash], bytes]:

@@ -7,8 +7,9 @@
 
 A swapped-out request is not claimed on the device; `release` of it gives
 its host rows back. The bookkeeping half (which pages, which table to
-rebuild) is `BlockManager.swap_snapshot` / `swap_restore` / `swap_recommit` (and the
-`KVCacheCoordinator`'s of the same names for hybrid models, state slots included);
+rebuild, one `SwappedRequest` record) is the replica bookkeeping's `swap_snapshot` /
+`swap_restore` / `swap_recommit` (`BlockManager` and `KVCacheCoordinator` alike; a model with
+recurrent state is not swapped);
 the bytes move through each replica's `SwapSpace` (host rows lent out of the
 host tier).
 """
@@ -18,9 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagedkv.core.context import RequestID, TextContext
-from pagedkv.core.hybrid_state import SwappedGroups
 from pagedkv.core.replica import ReplicaBookkeeping
-from pagedkv.core.tables import SwappedPages
+from pagedkv.core.tables import SwappedRequest
 from pagedkv.manager.tiering import Tiering
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -34,7 +34,7 @@ class SwappedRequests:
 
     def __init__(self, tiers: Tiering) -> None:
         self.tiers = tiers
-        self._entries: dict[tuple[int, RequestID], tuple[SwappedPages | SwappedGroups, list[int]]] = {}
+        self._entries: dict[tuple[int, RequestID], tuple[SwappedRequest, list[int]]] = {}
 
     def __contains__(self, key: object) -> bool:
         """``(replica_idx, request_id) in swaps``: the request is swapped out on that replica."""
@@ -84,12 +84,12 @@ class SwappedRequests:
         if space is None:
             raise ValueError(f"request {ctx.request_id!r} cannot swap in: the tiers are closed")
         record, slots = entry
-        todo = bm.swap_restore(ctx, record)  # type: ignore[arg-type]  # (each replica restores its own record)
+        todo = bm.swap_restore(ctx, record)  # (index in the snapshot's page list, fresh page) to copy back
         del self._entries[(replica_idx, ctx.request_id)]
         copied = {i for i, _ in todo}
         space.swap_in([slots[i] for i, _ in todo], [page for _, page in todo])
         space.drop([slot for i, slot in enumerate(slots) if i not in copied])  # device-cached pages
-        bm.swap_recommit(ctx, record)  # type: ignore[arg-type]
+        bm.swap_recommit(ctx, record)
 
     def drop(self, request_id: RequestID, replica_idx: int) -> bool:
         """Give back the host rows of a swapped-out request being released; False if not swapped."""
