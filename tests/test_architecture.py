@@ -34,7 +34,7 @@ LAYERS = {
     "pagedkv.core": 1, "pagedkv.runtime": 2, "pagedkv.manager": 2, "pagedkv.ops": 3, "pagedkv.offload": 2, "pagedkv.observability": 3,
     "pagedkv.ops.page_copy": 2,  # a buffer op the manager applies (imports nothing from pagedkv)
     "pagedkv.ops.state_runs": 2,  # checkpoint runs the manager copies (imports nothing from pagedkv)
-    "pagedkv.engine": 4, "pagedkv.testing": 5, "pagedkv.bench": 5, "pagedkv.demo": 5, "pagedkv.tier_demo": 5, "pagedkv.manager_demo": 5, "pagedkv.hf": 4, "pagedkv.cli": 6, "pagedkv": 6,
+    "pagedkv.engine": 4, "pagedkv.testing": 5, "pagedkv.bench": 5, "pagedkv.demos": 5, "pagedkv.workloads": 5, "pagedkv.hf": 4, "pagedkv.cli": 6, "pagedkv": 6,
     "pagedkv.integrations": 5,
     "pagedkv.router": 5,
 }  # fmt: skip

@@ -110,7 +110,7 @@ def test_hybrid_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_tier_demo_second_process_reads_the_first_ones_pages_from_disk(capsys: pytest.CaptureFixture[str]) -> None:
-    from pagedkv.tier_demo import run_tier_demo
+    from pagedkv.demos.tiers import run_tier_demo
 
     r = run_tier_demo("tiered", requests=6, groups=3, prefix_len=64)
     fill, warm, cold = r["fill"], r["warm"], r["recompute"]
@@ -205,7 +205,7 @@ def test_bench_json_and_plots_at_the_smallest_size(tmp_path: Path, capsys: pytes
 
 
 def test_progress_writes_nothing_into_a_pipe(capsys: pytest.CaptureFixture[str]) -> None:
-    from pagedkv.bench.report import Progress
+    from pagedkv.workloads.progress import Progress
 
     with Progress("requests") as progress:  # stderr is captured here: not a terminal
         for done in range(1, 4):

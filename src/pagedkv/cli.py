@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in SERVICE_COMMANDS:
         return int(importlib.import_module(SERVICE_COMMANDS[args.command][0]).main(args))
     if args.connector:
-        from pagedkv.tier_demo import run_tier_demo
+        from pagedkv.demos.tiers import run_tier_demo
 
         try:
             result = run_tier_demo(args.connector, directory=args.dir, redis_url=args.redis_url, seed=args.seed)
@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"pagedkv demo: {exc}", file=sys.stderr)
             return 2
         return 0 if result["identical"] == result["requests"] else 1
-    from pagedkv.demo import run_demo
+    from pagedkv.demos.engine import run_demo
 
     return run_demo(args.requests, args.seed, manager_only=args.manager_only, model_path=args.model)
 

@@ -13,8 +13,8 @@ from pagedkv.bench.compare.pagedkv_adapter import BeladyAdapter, PagedKVAdapter,
 from pagedkv.bench.compare.report import format_markdown, policy_verdict, write_plots
 from pagedkv.bench.compare.run import POLICIES, capacities, pagedkv_adapter, run_compare
 from pagedkv.bench.compare.sim import SimConfig, simulate
-from pagedkv.bench.workloads import WORKLOADS, TraceRequest, decode_trace, ideal_hit_rates, make_trace, unique_pages
 from pagedkv.cli import main, parser
+from pagedkv.workloads.traces import WORKLOADS, TraceRequest, decode_trace, ideal_hit_rates, make_trace, unique_pages
 
 PS = 16
 

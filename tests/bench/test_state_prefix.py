@@ -19,11 +19,11 @@ from pagedkv.bench.compare.pagedkv_hybrid import (
 )
 from pagedkv.bench.compare.sim import SimConfig, simulate
 from pagedkv.bench.compare.state_prefix import budgets, format_markdown, run_state_prefix, verdict
-from pagedkv.bench.workloads import TraceRequest, ideal_hit_rates, make_trace
 from pagedkv.cli import main
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.memory import checkpoint_pages, num_state_rows, pool_page_bytes, state_row_bytes
 from pagedkv.state_params import StateCacheParams
+from pagedkv.workloads.traces import TraceRequest, ideal_hit_rates, make_trace
 
 ROW = 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)  # 24 GDN layers: conv (8192, 3) bf16 + recurrent (32, 128, 128) fp32
 PAGE = 8 * 16 * 4 * 256 * 2 * 2  # 8 attention layers x 16 tokens x K and V of 4 heads x 256 in bf16

@@ -90,8 +90,8 @@ TINY_LLAMA = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidde
 
 def engine(nan_weights: bool = False, **params_kwargs: Any) -> Any:
     """A fresh `LLMEngine` over a 1-layer Llama (vocab 64) and 16 pages of 4 tokens."""
-    from pagedkv.demo import build_llama
     from pagedkv.engine import LLMEngine
+    from pagedkv.testing import build_llama
 
     model = build_llama(0, **TINY_LLAMA)
     if nan_weights:  # every key of layer 0 becomes NaN

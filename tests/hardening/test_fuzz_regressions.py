@@ -24,10 +24,9 @@ from test_stateful import layout_params
 from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.demo import build_llama
 from pagedkv.engine import LLMEngine
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.testing import PrefixStampModel
+from pagedkv.testing import PrefixStampModel, build_llama
 
 
 @pytest.fixture(scope="module", autouse=True)

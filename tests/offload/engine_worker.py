@@ -19,8 +19,8 @@ import time
 from typing import Any
 
 from pagedkv.connector_config import KVConnectorConfig
-from pagedkv.demo import build_demo_model
 from pagedkv.engine import LLMEngine
+from pagedkv.testing import build_demo_model
 
 PAGE_SIZE = 8
 

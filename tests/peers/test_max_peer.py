@@ -34,8 +34,8 @@ from pagedkv.bench.compare.pagedkv_adapter import PagedKVAdapter, compare_params
 from pagedkv.bench.compare.peer_max import MaxWorker
 from pagedkv.bench.compare.peers import PeerUnavailable
 from pagedkv.bench.compare.sim import SimConfig, SimResult, simulate
-from pagedkv.bench.workloads import TraceRequest
 from pagedkv.cli import main
+from pagedkv.workloads.traces import TraceRequest
 
 PAGE = 16
 
@@ -125,7 +125,7 @@ def test_bench_compare_has_a_max_column(worker: MaxWorker, tmp_path: Path, capsy
 
 def test_plain_decode_steps_are_timed_in_maxs_process(worker: MaxWorker) -> None:
     """The decode-step figure of `bench compare`: MAX's worker times the same plain decode steps."""
-    from pagedkv.bench.workloads import decode_trace
+    from pagedkv.workloads.traces import decode_trace
 
     res = worker.replay(64, 4, SimConfig(page_size=4), trace=decode_trace(4, 8))
     assert res.decode_request_steps == 8 * 2 and res.decode_us > 0

@@ -27,7 +27,7 @@ import pytest
 
 from pagedkv.bench.compare.peers import PeerUnavailable, load_peer
 from pagedkv.bench.compare.sim import SimConfig, simulate
-from pagedkv.bench.workloads import TraceRequest
+from pagedkv.workloads.traces import TraceRequest
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Only CUDA:UserWarning", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"

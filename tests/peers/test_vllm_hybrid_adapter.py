@@ -29,7 +29,7 @@ import pytest
 
 from pagedkv.bench.compare.peers import PeerUnavailable, load_peer
 from pagedkv.bench.compare.sim import SimConfig, simulate
-from pagedkv.bench.workloads import TraceRequest
+from pagedkv.workloads.traces import TraceRequest
 
 BLOCK = 528
 PAGE_BYTES = 2_162_688

@@ -74,7 +74,7 @@ class Workload:
 
 def build_model(seed: int = 0) -> Any:
     """The tiny seeded Llama every engine of the bench serves (2 layers, hidden 64, GQA 4:2, fp32)."""
-    from pagedkv.demo import build_llama
+    from pagedkv.testing import build_llama
 
     return build_llama(seed, **MODEL)
 

@@ -26,9 +26,7 @@ import time
 from typing import Any
 
 from pagedkv.bench import report
-from pagedkv.bench.driver import replay
 from pagedkv.bench.timing import gc_frozen
-from pagedkv.bench.workloads import ideal_hit_rates, shared_prefix_trace
 from pagedkv.core.context import TextContext
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, group_layer_specs
@@ -37,6 +35,8 @@ from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams
+from pagedkv.workloads.replay import replay
+from pagedkv.workloads.traces import ideal_hit_rates, shared_prefix_trace
 
 __all__ = ["MODELS", "add_arguments", "command", "format_hybrid_report", "plots", "run_hybrid_bench"]
 

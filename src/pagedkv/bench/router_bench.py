@@ -2,7 +2,7 @@
 
 Four engines (`pagedkv engine`: a random-weight Llama, 2 layers, hidden 64, vocabulary 32000, each
 process on one torch thread) publish their KV events; an in-process `PrefixIndex` + `Router` routes
-the zipf and multiturn traces of `bench compare` (`pagedkv.bench.workloads`) to them over HTTP with
+the zipf and multiturn traces of `bench compare` (`pagedkv.workloads.traces`) to them over HTTP with
 `--clients` concurrent clients (a multiturn turn waits for the previous turn of its conversation).
 Every policy runs the same trace on the same engines, their caches reset in between. Per policy:
 fleet prefix hit rate (cached prompt tokens the engines reported / prompt tokens), mean TTFT
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.bench import report
-from pagedkv.bench.workloads import make_trace
+from pagedkv.workloads.traces import make_trace
 
 __all__ = ["add_arguments", "command", "decision_latency", "run_policies"]
 

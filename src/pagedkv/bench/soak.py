@@ -134,7 +134,7 @@ def run_soak(
     import torch
 
     from pagedkv.bench.tiers_redis import start_redis
-    from pagedkv.demo import build_llama
+    from pagedkv.testing import build_llama
 
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a model this small runs faster on one thread

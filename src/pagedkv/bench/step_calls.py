@@ -1,7 +1,7 @@
 """How many pagedkv functions one `LLMEngine` decode step calls, per layer.
 
 `count_step_calls` builds a tiny transformers Llama from a config with random
-weights (`pagedkv.demo.build_llama`), prefills a few prompts, then profiles
+weights (`pagedkv.testing.build_llama`), prefills a few prompts, then profiles
 `steps` decode steps with `sys.setprofile`: every call whose code object lives
 in the pagedkv package counts once under its qualified name. The counts are
 divided by steps and by layers, so a function that runs once per step shows
@@ -101,8 +101,8 @@ def count_step_calls(
     Returns ``{"num_layers", "steps", "per_layer_step": {function: calls / (steps * num_layers)},
     "families": {family: calls / (steps * num_layers)}, "per_step": {function: calls / steps}}``.
     """
-    from pagedkv.demo import build_llama
     from pagedkv.engine import LLMEngine
+    from pagedkv.testing import build_llama
 
     model = build_llama(
         0, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,

@@ -36,7 +36,7 @@ LABELS = {
 
 def build_model(spec: dict[str, Any]) -> Any:
     """The seeded Llama-style model of `spec` (fp32, eval mode)."""
-    from pagedkv.demo import build_llama
+    from pagedkv.testing import build_llama
 
     hidden, heads = spec["hidden"], spec["heads"]
     return build_llama(

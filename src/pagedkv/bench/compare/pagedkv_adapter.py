@@ -14,7 +14,6 @@ import bisect
 from collections.abc import Sequence
 from typing import Any
 
-from pagedkv.bench.workloads import TraceRequest
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError
@@ -22,6 +21,7 @@ from pagedkv.core.hashing import BlockHash
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheParams
+from pagedkv.workloads.traces import TraceRequest
 
 __all__ = ["PagedKVAdapter", "PagedKVNoQueueAdapter", "BeladyAdapter", "BeladyOracle", "compare_params", "handles"]
 

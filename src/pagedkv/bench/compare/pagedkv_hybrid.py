@@ -27,7 +27,6 @@ from typing import Any
 
 from pagedkv.bench.compare.pagedkv_adapter import handles
 from pagedkv.bench.compare.peer_vllm_hybrid import QWEN35, HybridShape
-from pagedkv.bench.workloads import TraceRequest
 from pagedkv.core.context import TextContext
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.errors import InsufficientBlocksError
@@ -39,6 +38,7 @@ from pagedkv.manager.hybrid import make_block_manager
 from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams
 from pagedkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec
+from pagedkv.workloads.traces import TraceRequest
 
 __all__ = ["StallError", "StateCheckpointAdapter", "budget_pages", "ceiling_params", "gdn_spec", "hybrid_params"]
 

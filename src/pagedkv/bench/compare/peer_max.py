@@ -35,7 +35,7 @@ import numpy as np
 
 from pagedkv.bench.compare.sim import SimConfig, SimResult, simulate
 from pagedkv.bench.timing import gc_frozen
-from pagedkv.bench.workloads import TraceRequest, make_trace
+from pagedkv.workloads.traces import TraceRequest, make_trace
 
 __all__ = ["MaxAdapter", "MaxWorker", "max_python", "trace_to_json", "trace_from_json", "main"]
 

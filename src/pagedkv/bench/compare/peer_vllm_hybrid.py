@@ -55,7 +55,7 @@ from typing import Any
 
 from pagedkv.bench.compare.peer_vllm import _block_hasher, _vllm
 from pagedkv.bench.compare.peers import import_peer
-from pagedkv.bench.workloads import TraceRequest
+from pagedkv.workloads.traces import TraceRequest
 
 __all__ = ["HybridShape", "QWEN35", "GDN_PREFILL_BACKENDS", "VllmHybridAdapter", "align_hybrid_block_size"]
 

@@ -32,8 +32,8 @@ from pagedkv.bench.compare.peers import PeerUnavailable, load_peer
 from pagedkv.bench.compare.report import NO_QUEUE
 from pagedkv.bench.compare.sim import CacheAdapter, SimConfig, SimResult, simulate
 from pagedkv.bench.timing import gc_frozen
-from pagedkv.bench.workloads import WORKLOADS, TraceRequest, decode_trace, ideal_hit_rates, make_trace, unique_pages
 from pagedkv.validation import check_int
+from pagedkv.workloads.traces import WORKLOADS, TraceRequest, decode_trace, ideal_hit_rates, make_trace, unique_pages
 
 __all__ = [
     "DEFAULT_MANAGER",

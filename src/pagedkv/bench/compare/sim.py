@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pagedkv.bench.workloads import TraceRequest, touches_page
+from pagedkv.workloads.traces import TraceRequest, touches_page
 
 __all__ = ["CacheAdapter", "SimConfig", "SimResult", "simulate"]
 

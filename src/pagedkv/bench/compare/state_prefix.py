@@ -54,9 +54,9 @@ from pagedkv.bench.compare.peer_vllm_hybrid import QWEN35, VllmHybridAdapter
 from pagedkv.bench.compare.peers import PeerUnavailable
 from pagedkv.bench.compare.sim import CacheAdapter, SimConfig, SimResult, simulate
 from pagedkv.bench.timing import gc_frozen
-from pagedkv.bench.workloads import TraceRequest, ideal_hit_rates, make_trace, unique_pages
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.memory import checkpoint_pages, num_state_rows, pool_page_bytes, state_row_bytes
+from pagedkv.workloads.traces import TraceRequest, ideal_hit_rates, make_trace, unique_pages
 
 __all__ = [
     "CHECKPOINT_MULTIPLES",

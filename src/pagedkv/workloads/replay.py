@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from pagedkv.bench.workloads import TraceRequest, touches_page
 from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.manager.paged import PagedKVCacheManager
+from pagedkv.workloads.traces import TraceRequest, touches_page
 
 __all__ = ["ReplayStats", "replay"]
 

@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedkv.bench.report import Progress
+from pagedkv.testing import build_demo_model
+from pagedkv.workloads.progress import Progress
 
-__all__ = ["run_demo", "DemoWorkload", "build_demo_model", "build_llama"]
+__all__ = ["DemoWorkload", "hf_reference", "load_model", "run_demo", "run_engine"]
 
 
 @dataclass(frozen=True)
@@ -43,27 +44,6 @@ class DemoWorkload:
             suffix = rng.integers(3, vocab, size=int(rng.integers(*self.suffix_range)))
             prompts.append([*prefixes[i % self.num_groups].tolist(), *suffix.tolist()])
         return prompts
-
-
-def build_llama(seed: int = 0, attn_implementation: str = "eager", **config: Any) -> Any:
-    """A Llama-style causal LM from `config` (`LlamaConfig` fields) with seeded random weights, no
-    BOS/EOS (every request generates its `max_new_tokens`), pad id 0, in eval mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    fields: dict[str, Any] = dict(eos_token_id=None, bos_token_id=None, pad_token_id=0)
-    fields.update(config)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM._from_config(LlamaConfig(**fields), attn_implementation=attn_implementation)
-    model.generation_config.eos_token_id = None
-    return model.eval()
-
-
-def build_demo_model(seed: int = 0, attn_implementation: str = "eager") -> Any:
-    """A 4-layer Llama-style model (hidden 128, GQA 8:2 heads, vocab 512) with seeded random weights."""
-    return build_llama(
-        seed, attn_implementation, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
-    )  # fmt: skip
 
 
 def load_model(path: str | None, seed: int = 0, attn_implementation: str = "eager") -> Any:
@@ -126,7 +106,7 @@ def run_demo(num_requests: int = 48, seed: int = 0, manager_only: bool = False, 
     `model_path`: a local transformers checkpoint directory to use instead of the demo model.
     """
     if manager_only:
-        from pagedkv.manager_demo import run_manager_demo
+        from pagedkv.demos.manager import run_manager_demo
 
         return run_manager_demo(num_requests=num_requests * 5, seed=seed)
     workload = DemoWorkload(num_requests=num_requests, seed=seed)

@@ -12,13 +12,13 @@ from __future__ import annotations
 import gc
 import time
 
-from pagedkv.bench.driver import replay
-from pagedkv.bench.report import Progress
-from pagedkv.bench.workloads import shared_prefix_trace
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheParams
 from pagedkv.testing import PrefixStampModel
+from pagedkv.workloads.progress import Progress
+from pagedkv.workloads.replay import replay
+from pagedkv.workloads.traces import shared_prefix_trace
 
 __all__ = ["run_manager_demo"]
 

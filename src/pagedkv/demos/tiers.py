@@ -34,7 +34,7 @@ TierDemoSpec = dict[str, Any]  # JSON: connector, dir, redis_url, prefix, seed, 
 
 def build_tier_model(seed: int = 0) -> Any:
     """The tier demo's model: Llama-style, 8 layers, hidden 512, GQA 8:4, vocab 2048, seeded weights."""
-    from pagedkv.demo import build_llama
+    from pagedkv.testing import build_llama
 
     return build_llama(
         seed, vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
@@ -92,7 +92,7 @@ def serve_phase(spec: TierDemoSpec) -> dict[str, Any]:
 
 
 def _run_process(spec: TierDemoSpec) -> dict[str, Any]:
-    result = subprocess.run([sys.executable, "-m", "pagedkv.tier_demo", json.dumps(spec)], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "pagedkv.demos.tiers", json.dumps(spec)], capture_output=True,
                             text=True, timeout=1800)  # fmt: skip
     if result.returncode != 0:
         raise RuntimeError(f"tier demo process failed:\n{result.stderr[-3000:]}")
