@@ -25,6 +25,8 @@ TORCH_FREE = [  # every bookkeeping module (all of pagedkv.core) and the descrip
     "pagedkv.specs",
     "pagedkv.connector_config",
     "pagedkv.offload.format",
+    "pagedkv.offload.tier_index",
+    "pagedkv.offload.tier_stats",
     *sorted("pagedkv.core." + p.stem for p in (SRC / "core").glob("*.py") if p.stem != "__init__"),
 ]
 

@@ -34,10 +34,10 @@ from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, KVEventBatch, KVEventQueue
 from pagedkv.core.hashing import BlockHash
 from pagedkv.core.memory import compute_num_host_blocks
-from pagedkv.core.tier_stats import TierStats
 from pagedkv.manager.hybrid import ReplicaBookkeeping
 from pagedkv.manager.tier_link import CoordinatorTiers, PageEvents, state_events
 from pagedkv.multi_params import KVCacheParamInterface
+from pagedkv.offload.tier_stats import TierStats
 from pagedkv.params import KVConnectorType
 
 __all__ = ["Tiering"]

@@ -47,7 +47,6 @@ from typing import Any
 
 from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.events import BlockRemoved, EventSink
-from pagedkv.core.tier_stats import TierStats
 from pagedkv.offload.format import (
     HEADER_SIZE,
     check_header,
@@ -60,6 +59,7 @@ from pagedkv.offload.format import (
 )
 from pagedkv.offload.redis_client import client_factory, import_redis, is_cluster, redis_client, unlink_prefix, where
 from pagedkv.offload.tier import Done, LowerTier, OnceLogger, Row, check_framed, hand_back
+from pagedkv.offload.tier_stats import TierStats
 
 __all__ = ["FETCH_CHUNK_BYTES", "RedisTier", "redis_client"]
 

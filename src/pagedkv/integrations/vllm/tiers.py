@@ -33,10 +33,10 @@ from collections.abc import Sequence
 import torch
 
 from pagedkv.connector_config import KVConnectorConfig
-from pagedkv.core.tier_stats import TierStats
 from pagedkv.integrations.vllm.blocks import BlockMover
 from pagedkv.offload.format import HEADER_SIZE
 from pagedkv.offload.tier import LentRows, LowerTier, Row
+from pagedkv.offload.tier_stats import TierStats
 
 __all__ = ["TierSet"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.core.errors import IntegrityError
-from pagedkv.core.tier_index import TierIndex
+from pagedkv.offload.tier_index import TierIndex
 
 
 def test_slots_in_order_then_lru_eviction() -> None:
