@@ -22,7 +22,7 @@ from pagedkv.bench.compare.state_prefix import budgets, format_markdown, run_sta
 from pagedkv.cli import main
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.memory import checkpoint_pages, num_state_rows, pool_page_bytes, state_row_bytes
-from pagedkv.state_params import StateCacheParams
+from pagedkv.params.state import StateCacheParams
 from pagedkv.workloads.traces import TraceRequest, ideal_hit_rates, make_trace
 
 ROW = 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)  # 24 GDN layers: conv (8192, 3) bf16 + recurrent (32, 128, 128) fp32

@@ -18,11 +18,11 @@ import torch
 from hostile_support import CPU, LOCAL, Pages, Trial, manager, mgr_state, params, running
 
 from pagedkv import ops
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.context import TextContext
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams
+from pagedkv.params.connector import KVConnectorConfig
+from pagedkv.params.multi import MultiKVCacheParams
 from pagedkv.runtime.inputs import RaggedKVCacheInputs
 
 

@@ -76,9 +76,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.engine import LLMEngine
 from pagedkv.engine.request import Request
+from pagedkv.params.connector import KVConnectorConfig
 from pagedkv.testing import build_llama
 
 

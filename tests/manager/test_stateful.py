@@ -20,10 +20,10 @@ from pagedkv.core.context import Retention, TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams
+from pagedkv.params.multi import MultiKVCacheParams
+from pagedkv.params.state import StateCacheParams
 from pagedkv.specs import MambaSpec
-from pagedkv.state_params import StateCacheParams
 from pagedkv.testing import PrefixStampModel
 
 CPU = DeviceRef.CPU()

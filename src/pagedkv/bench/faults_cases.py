@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.events import BlockRemoved, BlockStored, KVEventBatch
 from pagedkv.engine import LLMEngine
 from pagedkv.engine.request import Request
 from pagedkv.offload.format import HEADER_SIZE, key_bytes
+from pagedkv.params.connector import KVConnectorConfig
 
 __all__ = ["CORRUPT", "DAMAGES", "TRUNCATE", "Recorder", "Workload", "build_model", "make_engine"]
 

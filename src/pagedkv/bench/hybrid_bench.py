@@ -30,11 +30,11 @@ from pagedkv.bench.timing import gc_frozen
 from pagedkv.core.context import TextContext
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, group_layer_specs
-from pagedkv.interface.bridge import params_from_kv_cache_config
 from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams
+from pagedkv.params.bridge import params_from_kv_cache_config
+from pagedkv.params.multi import MultiKVCacheParams
 from pagedkv.workloads.replay import replay
 from pagedkv.workloads.traces import ideal_hit_rates, shared_prefix_trace
 

@@ -79,9 +79,9 @@ def prompt_pool(model: Any, knobs: dict[str, Any]) -> tuple[list[list[int]], lis
 
 def build_engines(model: Any, directory: Path, redis_url: str, knobs: dict[str, Any]) -> dict[str, Any]:
     """The "tiered" (host + disk) and "redis" (host + Redis) engines over `model`, sized by `knobs`."""
-    from pagedkv.connector_config import KVConnectorConfig
     from pagedkv.engine import LLMEngine
     from pagedkv.offload.format import HEADER_SIZE
+    from pagedkv.params.connector import KVConnectorConfig
 
     cfg, k = model.config, knobs
     row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.hidden_size // cfg.num_attention_heads

@@ -61,7 +61,7 @@ from pagedkv.core.eviction import (
 )
 from pagedkv.core.hashing import BlockHash
 from pagedkv.core.wanted import WantedPages
-from pagedkv.validation import INT32_MAX, check_eviction, check_int
+from pagedkv.params.validation import INT32_MAX, check_eviction, check_int
 
 __all__ = ["BlockPool"]
 

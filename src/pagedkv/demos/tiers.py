@@ -59,8 +59,8 @@ def serve_phase(spec: TierDemoSpec) -> dict[str, Any]:
     where the prompt tokens came from, and each tier's counters."""
     import torch
 
-    from pagedkv.connector_config import KVConnectorConfig
     from pagedkv.engine import LLMEngine
+    from pagedkv.params.connector import KVConnectorConfig
 
     torch.set_num_threads(spec.get("threads", 4))
     model = build_tier_model(spec["seed"])
@@ -156,8 +156,8 @@ def run_tier_demo(
 def _delete_redis_keys(url: str, prefix: str) -> None:
     """Remove the demo's keys (its own random prefix) from the server (every node of a cluster)."""
     try:
-        from pagedkv.connector_config import KVConnectorConfig
         from pagedkv.offload.redis_client import redis_client, unlink_prefix
+        from pagedkv.params.connector import KVConnectorConfig
 
         for _ in unlink_prefix(redis_client(KVConnectorConfig(redis_url=url)), prefix):
             pass

@@ -34,8 +34,8 @@ from pagedkv.hf.attention import register
 from pagedkv.hf.context import ATTENTION_NAME, ForwardContext
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheQuantizationConfig
+from pagedkv.params.validation import INT32_MAX, as_token_array, check_int
 from pagedkv.runtime.inputs import MultiKVCacheInputs, RaggedKVCacheInputs, max_lengths_table
-from pagedkv.validation import INT32_MAX, as_token_array, check_int
 
 __all__ = ["EncoderDecoderEngine", "EncoderDecoderRequest", "encoder_salt"]
 

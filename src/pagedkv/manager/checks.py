@@ -14,10 +14,10 @@ from pagedkv.core.context import TextContext, check_request_id
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.tables import check_batch
 from pagedkv.manager import hybrid
-from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import BatchCharacteristics, KVCacheParams
+from pagedkv.params.multi import MultiKVCacheParams
+from pagedkv.params.validation import INT32_MAX, check_int
 from pagedkv.runtime.buffers import check_fits
-from pagedkv.validation import INT32_MAX, check_int
 
 __all__ = [
     "check_alloc",

@@ -21,13 +21,13 @@ from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.managers import manager_for
 from pagedkv.core.memory import is_hybrid
 from pagedkv.core.tables import BatchTables
-from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params import KVCacheParams
+from pagedkv.params.multi import KVCacheParamInterface, MultiKVCacheParams
+from pagedkv.params.state import StateCacheParams
 from pagedkv.runtime.arena import allocate_arena_buffers
 from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs, StateCacheInputs
 from pagedkv.runtime.state_buffers import StateCacheBuffer
 from pagedkv.runtime.transfer import tables_to_device
-from pagedkv.state_params import StateCacheParams
 
 ReplicaBookkeeping = BlockManager | KVCacheCoordinator
 """One data-parallel replica's bookkeeping: a `BlockManager` (every cache full attention) or a

@@ -11,7 +11,7 @@ import torch
 
 from pagedkv.offload.tier_index import TierIndex
 from pagedkv.offload.tier_stats import TierStats
-from pagedkv.validation import check_int
+from pagedkv.params.validation import check_int
 
 __all__ = ["HostTier"]
 

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from pagedkv.core.errors import require
-from pagedkv.validation import check_int
+from pagedkv.params.validation import check_int
 
 __all__ = ["TierIndex"]
 

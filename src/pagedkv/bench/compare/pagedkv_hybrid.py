@@ -5,7 +5,7 @@ attention layers (4 KV heads x 256, bf16) in one group of 16-token pages, and 24
 three state groups of 8 (as pagedkv's `hf.config.kv_layout` groups them, `group_layer_specs` by shape), each
 layer a conv state (8192, 3) in bf16 and a recurrent state (32, 128, 128) in fp32. The params are the
 engine's own (`StateCacheParams.from_spec` of a `MambaSpec` per state group, one `MultiKVCacheParams` tree,
-built by `interface.bridge.params_from_kv_cache_config` as `kv_layout` builds them), so every byte figure
+built by `params.bridge.params_from_kv_cache_config` as `kv_layout` builds them), so every byte figure
 comes from `core.memory`: `pool_page_bytes` (an attention page id: 8 layers x 16 tokens x 4,096 B =
 524,288 B) and `state_row_bytes` (one request's state of all 24 layers: 24 x 2,146,304 = 51,511,296 B).
 
@@ -32,11 +32,11 @@ from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.memory import compute_num_device_blocks, num_state_rows
 from pagedkv.dtype import DeviceRef, DType
-from pagedkv.interface.bridge import params_from_kv_cache_config
 from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec, group_layer_specs
 from pagedkv.manager.hybrid import make_block_manager
-from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams
+from pagedkv.params.bridge import params_from_kv_cache_config
+from pagedkv.params.multi import MultiKVCacheParams
 from pagedkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec
 from pagedkv.workloads.traces import TraceRequest
 

@@ -32,7 +32,7 @@ from pagedkv.bench.compare.peers import PeerUnavailable, load_peer
 from pagedkv.bench.compare.report import NO_QUEUE
 from pagedkv.bench.compare.sim import CacheAdapter, SimConfig, SimResult, simulate
 from pagedkv.bench.timing import gc_frozen
-from pagedkv.validation import check_int
+from pagedkv.params.validation import check_int
 from pagedkv.workloads.traces import WORKLOADS, TraceRequest, decode_trace, ideal_hit_rates, make_trace, unique_pages
 
 __all__ = [

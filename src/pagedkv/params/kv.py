@@ -22,11 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.dtype import DeviceRef, DType
-from pagedkv.specs import AttentionSpec, attention_spec
-from pagedkv.symbols import KVCacheInputSymbols, ragged_symbols
-from pagedkv.validation import (
+from pagedkv.params.connector import KVConnectorConfig
+from pagedkv.params.symbols import KVCacheInputSymbols, ragged_symbols
+from pagedkv.params.validation import (
     INT32_MAX,
     NONFINITE_KV,
     check_eviction,
@@ -36,6 +35,7 @@ from pagedkv.validation import (
     validate_attention_kind,
     validate_partial_page_reuse,
 )
+from pagedkv.specs import AttentionSpec, attention_spec
 
 if TYPE_CHECKING:  # pragma: no cover
     from pagedkv.runtime.buffers import KVCacheBuffer
@@ -85,7 +85,7 @@ def split_into_groups(items: Sequence[Any], n: int) -> list[list[Any]]:
 
 class KVCacheParamInterface:
     """Base class of every cache description the managers accept (MAX's `KVCacheParamInterface`):
-    `KVCacheParams` (one cache) and `pagedkv.multi_params.MultiKVCacheParams` (a tree of caches
+    `KVCacheParams` (one cache) and `pagedkv.params.multi.MultiKVCacheParams` (a tree of caches
     sharing one page table). It holds no state; the surface below is what both provide.
     """
 

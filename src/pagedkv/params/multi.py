@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.dtype import DeviceRef
-from pagedkv.params import KVCacheParamInterface, KVCacheParams, KVConnectorType
-from pagedkv.symbols import MultiKVCacheInputSymbols
+from pagedkv.params.kv import KVCacheParamInterface, KVCacheParams, KVConnectorType
+from pagedkv.params.symbols import MultiKVCacheInputSymbols
 
 if TYPE_CHECKING:  # pragma: no cover
     from pagedkv.runtime.buffers import MultiKVCacheBuffer

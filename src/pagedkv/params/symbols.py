@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.dtype import DeviceRef, DType
-from pagedkv.records import InputTree, RecordMixin, TreeMapMixin
+from pagedkv.params.records import InputTree, RecordMixin, TreeMapMixin
 
 __all__ = [
     "TensorSpec",

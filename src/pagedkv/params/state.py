@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.dtype import DeviceRef, DType
-from pagedkv.params import KVCacheParams
+from pagedkv.params.kv import KVCacheParams
+from pagedkv.params.symbols import KVCacheInputSymbols, state_symbols
 from pagedkv.specs import MambaSpec
-from pagedkv.symbols import KVCacheInputSymbols, state_symbols
 
 if TYPE_CHECKING:  # pragma: no cover
     from pagedkv.runtime.state_buffers import StateCacheBuffer

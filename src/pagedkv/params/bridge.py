@@ -15,8 +15,9 @@ from typing import Any
 
 from pagedkv.dtype import DeviceRef
 from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from pagedkv.multi_params import MultiKVCacheParams
-from pagedkv.params import KVCacheParams
+from pagedkv.params.kv import KVCacheParams
+from pagedkv.params.multi import MultiKVCacheParams
+from pagedkv.params.state import StateCacheParams
 from pagedkv.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -25,7 +26,6 @@ from pagedkv.specs import (
     KVCacheSpec,
     MambaSpec,
 )
-from pagedkv.state_params import StateCacheParams
 
 __all__ = ["spec_from_params", "params_from_kv_cache_config", "kv_cache_config_from_params"]
 

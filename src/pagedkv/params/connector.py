@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from pagedkv.validation import check_int
+from pagedkv.params.validation import check_int
 
 __all__ = ["KVConnectorConfig", "cluster_node"]
 

@@ -104,11 +104,11 @@ def check_weights_version(version: object, name: str = "weights_version") -> Non
 
 def normalize_hash_seed(seed: bytes | str | None, resolve_default: bool = False) -> bytes | None:
     """A 32-byte seed from bytes or 64 hex characters; None stays None, or with `resolve_default`
-    becomes the deployment's seed (`pagedkv.deployment_seed`)."""
+    becomes the deployment's seed (`pagedkv.params.deployment_seed`)."""
     if seed is None:
         if not resolve_default:
             return None
-        from pagedkv.deployment_seed import deployment_seed
+        from pagedkv.params.deployment_seed import deployment_seed
 
         return deployment_seed()
     if isinstance(seed, str):
