@@ -117,6 +117,13 @@ def test_imports_flow_one_way(module: str, path: Path) -> None:
         assert imported.split(".")[0] != "torch", f"bookkeeping module {module} imports torch"
 
 
+def test_the_library_never_imports_the_research_harness() -> None:
+    """benchmarks/ (the repository's research harness, `python -m benchmarks.<name>`) is not installed with
+    the package: nothing in pagedkv may import it."""
+    offenders = {m: i for m, p in _modules() for i in _imports(p) if i.split(".")[0] == "benchmarks"}
+    assert not offenders, offenders
+
+
 def test_files_hold_one_responsibility() -> None:
     """A file is as long as its one responsibility needs: a class is never split into mixins to keep
     files short, so no file should grow past about 600 lines either."""
@@ -259,6 +266,7 @@ def test_tests_mirror_the_source_tree() -> None:
     """Each test folder is named after the package (or top-level module group) it tests."""
     tests = Path(__file__).resolve().parent
     packages = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    packages |= {p.name for p in tests.parent.iterdir() if (p / "__init__.py").exists()}  # benchmarks/ (not shipped)
     cross_cutting = {"hardening", "peers"}  # whole-stack fuzzing and hostile input; the real peers' classes
     folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
     assert folders - packages <= cross_cutting, f"test folders with no source package: {folders - packages}"

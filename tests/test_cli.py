@@ -162,9 +162,8 @@ def test_state_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
 def test_every_bench_command_is_registered_and_takes_json_and_plots_where_it_has_tables(tmp_path: Path) -> None:
     parsers = _bench_parsers()
     assert set(parsers) == set(BENCH_COMMANDS)
-    assert {"manager", "attention", "triton", "fp8", "engine", "hybrid", "tiers", "compare", "soak", "faults"} <= set(
-        parsers
-    )
+    # the benchmarks that ship; the research harness is `python -m benchmarks.<name>` (tests/benchmarks)
+    assert set(parsers) == {"manager", "attention", "triton", "fp8", "engine", "hybrid", "state", "tiers"}
     for name, cmd in BENCH_COMMANDS.items():
         argv = ["bench", name, "--json", str(tmp_path / "r.json")]
         args = parser().parse_args(argv)

@@ -24,9 +24,10 @@ class BenchCommand:
     tables: bool = True
 
 
-# The `pagedkv bench` subcommands: a new benchmark is registered here, in one line.
+# The `pagedkv bench` subcommands: a new benchmark is registered here, in one line. (The research harness,
+# comparisons with other systems and stress runs, lives in the repository's benchmarks/, not installed:
+# `python -m benchmarks.<name>` from a checkout.)
 BENCH_COMMANDS: dict[str, BenchCommand] = {
-    "headline": BenchCommand("pagedkv.bench.headline", "the README's headline figures, rendered from docs/figures/*.json (--write, --check)", tables=False),
     "manager": BenchCommand("pagedkv.bench.manager_bench", "bookkeeping cost of PagedKVCacheManager on a shared-prefix chat trace"),
     "attention": BenchCommand("pagedkv.bench.attention_bench", "paged decode attention vs contiguous SDPA (CPU; GPU rows with CUDA)"),
     "triton": BenchCommand("pagedkv.bench.triton_bench", "Triton paged decode bandwidth vs a device copy (CUDA only)", tables=False),
@@ -35,14 +36,6 @@ BENCH_COMMANDS: dict[str, BenchCommand] = {
     "hybrid": BenchCommand("pagedkv.bench.hybrid_bench", "KV bytes, prefix hit rate and decode cost of mixed-attention models"),
     "state": BenchCommand("pagedkv.bench.state_bench", "KV + state bytes of a Qwen3.5-shaped hybrid; engine decode vs transformers generate"),
     "tiers": BenchCommand("pagedkv.bench.tiers_bench", "tier offload / load throughput vs the raw medium; TTFT from a warm tier"),
-    "hicache": BenchCommand("pagedkv.bench.hicache_bench", "SGLang HiCache storage backend (pagedkv.integrations.sglang) on Redis and a directory vs the raw medium and SGLang's HiCacheFile (needs SGLang)"),
-    "connector": BenchCommand("pagedkv.bench.connector_bench", "vLLM KV connector: blocks/s saved and loaded through its worker side vs the raw medium (needs vLLM)"),
-    "compare": BenchCommand("pagedkv.bench.compare.run", "pagedkv vs vLLM and SGLang cache managers and the Belady bound, on five workloads over a capacity sweep"),
-    "state-prefix": BenchCommand("pagedkv.bench.compare.state_prefix", "prefix hit rate of a Qwen3.5-shaped hybrid (state checkpoints) vs vLLM align mode and the all-attention ceiling, at equal bytes"),
-    "soak": BenchCommand("pagedkv.bench.soak", "engine soak over every tier: RSS, leaks, tokens"),
-    "faults": BenchCommand("pagedkv.bench.faults", "Redis killed, disk full, corrupt / truncated pages, slow Redis while engines serve"),
-    "router": BenchCommand("pagedkv.bench.router_bench", "KV-aware routing vs round-robin vs random over 4 engine processes: fleet hit rate, TTFT; decision latency", tables=False),
-    "step-calls": BenchCommand("pagedkv.bench.step_calls", "pagedkv calls per layer per decode step of a tiny Llama (one-pass check)"),
 }  # fmt: skip
 
 _FORMAT = argparse.ArgumentDefaultsHelpFormatter  # every flag's help ends with its default

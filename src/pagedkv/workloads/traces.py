@@ -6,7 +6,7 @@ turn can be built from the previous turn's full context, and two replays issue t
 
 `shared_prefix_trace` (`pagedkv bench manager`, `pagedkv bench hybrid`, the manager demo): chat
 requests in groups that share a system prompt, each with a unique suffix, groups drawn uniformly or
-zipf-distributed. `WORKLOADS` (`pagedkv bench compare`, by `make_trace`):
+zipf-distributed. `WORKLOADS` (`python -m benchmarks.compare`, by `make_trace`):
 
     zipf        shared system prompts (64 of 1000 tokens), popularity zipf(s=1.0),
                 + 250 unique tokens; 64 generated
@@ -181,7 +181,7 @@ def touches_page(num_tokens: int, page_size: int) -> bool:
 
 
 def decode_trace(page_size: int, num_requests: int = 256, seed: int = 0) -> list[TraceRequest]:
-    """Requests that share nothing and decode together (`bench compare`'s decode-step figure): prompts of two
+    """Requests that share nothing and decode together (`benchmarks.compare`'s decode-step figure): prompts of two
     full pages and one token, then ``page_size - 1`` generated tokens, so that after the prefill no step of a
     request takes a new page or fills one."""
     rng = np.random.default_rng([seed, 1 + len(WORKLOADS)])

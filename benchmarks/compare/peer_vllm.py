@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedkv.bench.compare.peers import import_peer
+from benchmarks.compare.peers import import_peer
 from pagedkv.workloads.traces import TraceRequest
 
 __all__ = ["VllmAdapter", "vllm_hash_ns_per_token", "vllm_version", "HASH_NAMES"]

@@ -18,9 +18,9 @@ __all__ = ["PEERS", "PeerUnavailable", "load_peer", "import_peer", "ensure_torch
 
 # peer name -> (module, adapter class)
 PEERS: dict[str, tuple[str, str]] = {
-    "vllm": ("pagedkv.bench.compare.peer_vllm", "VllmAdapter"),
-    "vllm-hybrid": ("pagedkv.bench.compare.peer_vllm_hybrid", "VllmHybridAdapter"),
-    "sglang": ("pagedkv.bench.compare.peer_sglang", "SglangAdapter"),
+    "vllm": ("benchmarks.compare.peer_vllm", "VllmAdapter"),
+    "vllm-hybrid": ("benchmarks.compare.peer_vllm_hybrid", "VllmHybridAdapter"),
+    "sglang": ("benchmarks.compare.peer_sglang", "SglangAdapter"),
 }
 
 _T = TypeVar("_T")

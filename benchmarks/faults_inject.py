@@ -1,4 +1,4 @@
-"""The faults of `pagedkv bench faults`, for real, and `run_case`: fill, fault, serve, recover, audit.
+"""The faults of `python -m benchmarks.faults`, for real, and `run_case`: fill, fault, serve, recover, audit.
 
 redis-server SIGKILLed mid-run and restarted empty; the disk full by RLIMIT_FSIZE (in a child process,
 `faults_child`: the limit lasts for the process); stored pages damaged (`faults_cases.DAMAGES`); Redis slowed
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.bench.faults_cases import CORRUPT, RETRY_S, TRUNCATE, Recorder
+from benchmarks.faults_cases import CORRUPT, RETRY_S, TRUNCATE, Recorder
 
 if TYPE_CHECKING:
     from pagedkv.bench.tiers_redis import RedisServer

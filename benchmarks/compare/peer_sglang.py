@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedkv.bench.compare.peers import import_peer
+from benchmarks.compare.peers import import_peer
 from pagedkv.workloads.traces import TraceRequest
 
 __all__ = ["SglangAdapter", "sglang_version"]

@@ -1,4 +1,4 @@
-"""`pagedkv bench headline`: the README's headline block is what the committed benchmark JSON gives."""
+"""`python -m benchmarks.headline`: the README's headline block is what the committed benchmark JSON gives."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.bench.headline import BEGIN, END, compare_lines, render, replace_block, state_lines
-from pagedkv.cli import main
+from benchmarks.command import main
+from benchmarks.headline import BEGIN, END, compare_lines, render, replace_block, state_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def test_compare_lines_on_a_hand_made_result() -> None:
             _row("multiturn", 50, "sglang", 0.298, 9.0), _row("multiturn", 50, "belady", 0.31, 0.0),
             _row("multiturn", 90, "pagedkv-lru", 0.60, 1.0), _row("multiturn", 90, "vllm", 0.50, 2.0)]  # fmt: skip
     lines = compare_lines({"rows": rows, "config": {"default_manager": "pagedkv-lru"}})
-    assert lines[0].endswith("in each of 3 cells of `pagedkv bench compare` (5 workloads x 4 pool sizes): ahead or "
+    assert lines[0].endswith("in each of 3 cells of `python -m benchmarks.compare` (5 workloads x 4 pool sizes): ahead or "
                              "within half a point in 2; closest cell -2.00 points (zipf, 100 pages), largest lead "
                              "+10.00 points (multiturn, 90 pages).")  # fmt: skip
     assert lines[1] == ("- Multi-turn chat in the tightest pool (50 pages): pagedkv 0.3000, SGLang 0.5.23 0.2980, "
@@ -62,15 +62,13 @@ def test_the_readme_block_is_rendered_from_docs_figures(capsys: pytest.CaptureFi
     readme = (ROOT / "README.md").read_text()
     assert readme.count(BEGIN) == 1 and readme.count(END) == 1
     argv = [
-        "bench",
-        "headline",
         "--check",
         "--figures",
         str(ROOT / "docs" / "figures"),
         "--readme",
         str(ROOT / "README.md"),
     ]
-    assert main(argv) == 0, capsys.readouterr().out  # (typed-by-hand figures would differ)
+    assert main("benchmarks.headline", argv=argv) == 0, capsys.readouterr().out  # (typed-by-hand figures would differ)
     assert replace_block("a\n" + BEGIN + "\nold\n" + END + "\nb", render(None, None)) == f"a\n{BEGIN}\n\n\n{END}\nb"
     with pytest.raises(ValueError, match="markers are missing"):
         replace_block("no block here", render(None, None))

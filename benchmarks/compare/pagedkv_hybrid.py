@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pagedkv.bench.compare.pagedkv_adapter import handles
-from pagedkv.bench.compare.peer_vllm_hybrid import QWEN35, HybridShape
+from benchmarks.compare.pagedkv_adapter import handles
+from benchmarks.compare.peer_vllm_hybrid import QWEN35, HybridShape
 from pagedkv.core.context import TextContext
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.errors import InsufficientBlocksError

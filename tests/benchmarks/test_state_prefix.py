@@ -1,4 +1,4 @@
-"""`pagedkv bench state-prefix`: the hybrid adapter (state checkpoints) on hand-derived traces, the byte
+"""`python -m benchmarks.compare.state_prefix`: the hybrid adapter (state checkpoints) on hand-derived traces, the byte
 arithmetic, the ceiling, and the sweep's tables and CLI (without vLLM: its tests are tests/peers)."""
 
 from __future__ import annotations
@@ -9,17 +9,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedkv.bench.compare.pagedkv_adapter import PagedKVAdapter
-from pagedkv.bench.compare.pagedkv_hybrid import (
+from benchmarks.command import main
+from benchmarks.compare.pagedkv_adapter import PagedKVAdapter
+from benchmarks.compare.pagedkv_hybrid import (
     StateCheckpointAdapter,
     budget_pages,
     ceiling_params,
     gdn_spec,
     hybrid_params,
 )
-from pagedkv.bench.compare.sim import SimConfig, simulate
-from pagedkv.bench.compare.state_prefix import budgets, format_markdown, run_state_prefix, verdict
-from pagedkv.cli import main
+from benchmarks.compare.sim import SimConfig, simulate
+from benchmarks.compare.state_prefix import budgets, format_markdown, run_state_prefix, verdict
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.memory import checkpoint_pages, num_state_rows, pool_page_bytes, state_row_bytes
 from pagedkv.params.state import StateCacheParams
@@ -133,11 +133,11 @@ def test_sweep_tables_verdict_and_cli(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "| docqa |" in text and "pagedkv C=8" in text and "51,511,296 B" in text
     assert verdict(result)["manager"] == "pagedkv" and not verdict(result)["vllm_compared"]
     out = tmp_path / "sp.json"
-    argv = ["bench", "state-prefix", "--workloads", "fewshot", "--requests", "12", "--fractions", "1.0",
+    argv = ["--workloads", "fewshot", "--requests", "12", "--fractions", "1.0",
             "--max-seqs", "2", "--checkpoints", "2", "--peers", "", "--json", str(out)]  # fmt: skip
-    assert main(argv) == 0
+    assert main("benchmarks.compare.state_prefix", argv=argv) == 0
     data = json.loads(out.read_text())
     assert {r["manager"] for r in data["rows"]} == {"ceiling", "ceiling-step", "pagedkv-c4", "pagedkv-nocap", "pagedkv"}
     assert "| fewshot |" in capsys.readouterr().out
-    assert main(["bench", "state-prefix", "--from-json", str(out)]) == 0
+    assert main("benchmarks.compare.state_prefix", argv=["--from-json", str(out)]) == 0
     assert "pagedkv C=4" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""The mechanics of one `pagedkv bench faults` case (`faults.py` runs the set, `faults_inject` the faults):
+"""The mechanics of one `python -m benchmarks.faults` case (`faults.py` runs the set, `faults_inject` the faults):
 workload, engines, a measured serving round, the tier's stored pages (damage, audit).
 Page keys are the engine's own, from its KV events (parent key + page tokens -> key): no hashing is redone."""
 

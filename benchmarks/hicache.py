@@ -1,4 +1,4 @@
-"""`pagedkv bench hicache`: `PagedKVStorage` (SGLang HiCache L3 backend) against the raw medium, side by side.
+"""`python -m benchmarks.hicache`: `PagedKVStorage` (SGLang HiCache L3 backend) against the raw medium, side by side.
 
 Runs where SGLang imports (``.venv-peers``). The pages live in SGLang's own `MHATokenToKVPoolHost`
 (CPU, not pinned), Llama-3.1-8B-shaped by default: bf16, 32 layers, 8 KV heads x 128, 16 tokens per
@@ -50,7 +50,7 @@ class _Setup:
     """SGLang's host pool (filled with random bits), page keys, and host slots per batch."""
 
     def __init__(self, pages: int, page_tokens: int, pool_pages: int, batch: int, layout: str) -> None:
-        from pagedkv.bench.compare.peers import import_peer
+        from benchmarks.compare.peers import import_peer
 
         def load() -> Any:
             from sglang.srt.mem_cache import hicache_storage
@@ -356,7 +356,7 @@ def plots(result: dict[str, Any]) -> list[report.Plot]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `pagedkv bench hicache`."""
+    """The options of `python -m benchmarks.hicache`."""
     p.add_argument("--pages", type=int, default=2048, help="page keys written and read per pass")
     p.add_argument("--page-tokens", type=int, default=16, help="tokens per page (16: 2 MiB pages)")
     p.add_argument("--pool-pages", type=int, default=256, help="host pool pages the keys map onto (memory)")
@@ -371,8 +371,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    """`pagedkv bench hicache`: measure, print the table, write --json / --plots (needs SGLang)."""
-    from pagedkv.bench.compare.peers import PeerUnavailable
+    """`python -m benchmarks.hicache`: measure, print the table, write --json / --plots (needs SGLang)."""
+    from benchmarks.compare.peers import PeerUnavailable
 
     with report.Progress("runs") as bar:
         count = [0]
@@ -388,7 +388,15 @@ def command(args: argparse.Namespace) -> int:
                 redis_url=args.redis_url, directory=args.dir, io_threads=args.io_threads, progress=progress,
             )  # fmt: skip
         except PeerUnavailable as exc:
-            print(f"pagedkv bench hicache: {exc} (run it in the environment of `make peers`)")
+            print(f"python -m benchmarks.hicache: {exc} (run it in the environment of `make peers`)")
             return 2
     report.finish(args, format_hicache_report(result), result, plots)
     return 0
+
+
+if __name__ == "__main__":  # python -m benchmarks.hicache
+    import sys
+
+    from benchmarks.command import main
+
+    sys.exit(main("benchmarks.hicache", sys.modules[__name__]))

@@ -1,4 +1,4 @@
-"""`pagedkv bench soak`: a long run of the engine over every tier, with resident memory sampled.
+"""`python -m benchmarks.soak`: a long run of the engine over every tier, with resident memory sampled.
 
 Two `LLMEngine`s share one tiny seeded Llama (fp32): ``kv_connector="tiered"`` (host + a disk directory
 small enough for its LRU to delete files) and ``"redis"`` (host + a `redis-server` it starts, or `redis_url`).
@@ -289,7 +289,7 @@ def plots(r: dict[str, Any]) -> list[report.Plot]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `pagedkv bench soak`."""
+    """The options of `python -m benchmarks.soak`."""
     p.add_argument("--requests", type=int, default=20000, help="requests served in all")
     p.add_argument("--wave", type=int, default=128, help="requests fed at once, alternating engines")
     p.add_argument("--prompts", type=int, default=256, help="distinct prompts the requests are drawn from")
@@ -300,9 +300,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    """`pagedkv bench soak`: run, print the report, write --json / --plots; 0 when every check passed, else 1."""
+    """`python -m benchmarks.soak`: run, print the report, write --json / --plots; 0 when every check passed, else 1."""
     with report.Progress("requests") as progress:
         result = run_soak(args.requests, wave=args.wave, num_prompts=args.prompts, rss_bound_mib=args.rss_bound_mib,
                           seed=args.seed, directory=args.dir, redis_url=args.redis_url, progress=progress)  # fmt: skip
     report.finish(args, format_soak_report(result), result, plots)
     return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":  # python -m benchmarks.soak
+    import sys
+
+    from benchmarks.command import main
+
+    sys.exit(main("benchmarks.soak", sys.modules[__name__]))

@@ -1,4 +1,4 @@
-"""`pagedkv bench faults` at a small size: under every real fault (Redis killed, disk full, corrupt
+"""`python -m benchmarks.faults` at a small size: under every real fault (Redis killed, disk full, corrupt
 and truncated pages, slow Redis) every request completes with the recompute-only reference's tokens, no
 page is lost, and the fault really happened. The Redis cases skip without `redis-server` (they fail
 instead under PAGEDKV_REQUIRE_REDIS=1, as in CI)."""
@@ -6,16 +6,20 @@ instead under PAGEDKV_REQUIRE_REDIS=1, as in CI)."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from redis_server import redis_server_binary
 
-from pagedkv.bench.faults import command, format_faults_report, run_faults
-from pagedkv.bench.faults_cases import CORRUPT, TRUNCATE
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "offload"))
+
+from redis_server import redis_server_binary  # noqa: E402
+
+from benchmarks.faults import command, format_faults_report, run_faults  # noqa: E402
+from benchmarks.faults_cases import CORRUPT, TRUNCATE  # noqa: E402
 
 REQUESTS = 8  # per round: two waves of 4 (the engines' batch), so a fault can land between them
 DISK = ["none-disk", "disk-full", "corrupt-disk", "truncated-disk"]
@@ -24,7 +28,7 @@ REDIS = ["none-redis", "redis-killed", "corrupt-redis", "slow-redis"]
 
 @pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
-    """As `pagedkv bench faults` runs: the model is tiny, one torch thread is several times faster here."""
+    """As `python -m benchmarks.faults` runs: the model is tiny, one torch thread is several times faster here."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -82,10 +86,10 @@ def test_redis_faults() -> None:
 
 
 def test_command_line(tmp_path: Path) -> None:
-    from pagedkv.cli import parser
+    from benchmarks.command import parser
 
-    argv = ["bench", "faults", "--requests", "2", "--cases", "none-disk", "--json", str(tmp_path / "f.json")]
-    args = parser().parse_args(argv)
+    argv = ["--requests", "2", "--cases", "none-disk", "--json", str(tmp_path / "f.json")]
+    args = parser("benchmarks.faults").parse_args(argv)
     torch.set_num_threads(2)
     assert command(args) == 0
     assert torch.get_num_threads() == 2  # set back after its run on one thread

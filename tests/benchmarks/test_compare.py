@@ -1,4 +1,4 @@
-"""`pagedkv bench compare`: the shared driver, the workloads, the bounds, the report and the CLI."""
+"""`python -m benchmarks.compare`: the shared driver, the workloads, the bounds, the report and the CLI."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedkv.bench.compare.pagedkv_adapter import BeladyAdapter, PagedKVAdapter, compare_params
-from pagedkv.bench.compare.report import format_markdown, policy_verdict, write_plots
-from pagedkv.bench.compare.run import POLICIES, capacities, pagedkv_adapter, run_compare
-from pagedkv.bench.compare.sim import SimConfig, simulate
-from pagedkv.cli import main, parser
+from benchmarks.command import main, parser
+from benchmarks.compare.pagedkv_adapter import BeladyAdapter, PagedKVAdapter, compare_params
+from benchmarks.compare.report import format_markdown, policy_verdict, write_plots
+from benchmarks.compare.run import POLICIES, capacities, pagedkv_adapter, run_compare
+from benchmarks.compare.sim import SimConfig, simulate
 from pagedkv.workloads.traces import WORKLOADS, TraceRequest, decode_trace, ideal_hit_rates, make_trace, unique_pages
 
 PS = 16
@@ -132,9 +132,9 @@ def test_run_compare_writes_tables_and_plots(tmp_path: Path) -> None:
 
 def test_cli_compare_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "compare.json"
-    argv = ["bench", "compare", "--workloads", "nosharing", "--requests", "20", "--fractions", "1.0",
+    argv = ["--workloads", "nosharing", "--requests", "20", "--fractions", "1.0",
             "--peers", "", "--policies", "pagedkv-lru", "--no-belady", "--json", str(out)]  # fmt: skip
-    assert main(argv) == 0
+    assert main("benchmarks.compare", argv=argv) == 0
     data = json.loads(out.read_text())
     assert [r["manager"] for r in data["rows"]] == ["pagedkv-lru"] and data["rows"][0]["hit_rate"] == 0.0
     assert data["config"]["default_manager"] == "pagedkv-lru"  # the row that runs KVCacheParams' defaults
@@ -145,10 +145,10 @@ def test_cli_compare_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert (head, rule) == ("| pagedkv-lru |", "|---|") and row == f"| {data['decode']['pagedkv-lru']:.2f} |"
     data["decode"].update(vllm=4 * data["decode"]["pagedkv-lru"])  # with a peer: its column and the ratio
     out.write_text(json.dumps(data))
-    assert main(["bench", "compare", "--from-json", str(out)]) == 0
+    assert main("benchmarks.compare", argv=["--from-json", str(out)]) == 0
     head, rule, row = capsys.readouterr().out.split("### Plain decode step")[1].split("\n")[2:5]
     assert (head, rule) == ("| pagedkv-lru | vllm | pagedkv-lru/vllm |", "|---|---|---|") and row.endswith("| 0.25 |")
-    assert main(["bench", "compare", "--from-json", str(out)]) == 0  # re-render without replaying
+    assert main("benchmarks.compare", argv=["--from-json", str(out)]) == 0  # re-render without replaying
     assert "| nosharing | " in capsys.readouterr().out
 
 
@@ -221,7 +221,7 @@ def test_a_refused_plain_decode_token_is_a_manager_bug() -> None:
 
 
 def test_cli_default_policies_are_the_benchmarks() -> None:
-    args = parser().parse_args(["bench", "compare"])
+    args = parser("benchmarks.compare").parse_args([])
     assert tuple(args.policies.split(",")) == tuple(POLICIES)
 
 
@@ -234,10 +234,10 @@ def test_max_without_its_environment_is_reported_skipped(monkeypatch: pytest.Mon
 
 
 def test_max_python_defaults_to_the_checkouts_venv(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pagedkv.bench.compare import peer_max
+    from benchmarks.compare import peer_max
 
     monkeypatch.delenv("PAGEDKV_MAX_PYTHON", raising=False)
-    root = Path(peer_max.__file__).resolve().parents[4]
+    root = Path(peer_max.__file__).resolve().parents[2]
     assert peer_max.max_python() == str(root / ".venv-max" / "bin" / "python")
     assert (root / "pyproject.toml").exists()
 

@@ -1,4 +1,4 @@
-"""`pagedkv bench connector`: vLLM blocks per second through `PagedKVConnector`'s worker side vs the raw medium.
+"""`python -m benchmarks.connector`: vLLM blocks per second through `PagedKVConnector`'s worker side vs the raw medium.
 
 Runs where vLLM 0.33 imports (``.venv-peers``). The model is Llama-3-8B-like,
 one TP rank: 32 layers, 8 KV heads x 128, block 16, bf16, so one block of every
@@ -56,7 +56,7 @@ def run_connector_bench(
     """Every figure of the module docstring, one row per tier and direction."""
     import torch
 
-    from pagedkv.bench.connector_cases import ConnectorCase, worker_connector
+    from benchmarks.connector_cases import ConnectorCase, worker_connector
     from pagedkv.bench.tiers_bench import GiB, measure
 
     row_bytes = 2 * SHAPE["layers"] * SHAPE["kv_heads"] * SHAPE["head_dim"] * SHAPE["block"] * 2
@@ -151,7 +151,7 @@ def plots(r: dict[str, Any]) -> list[report.Plot]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `pagedkv bench connector`."""
+    """The options of `python -m benchmarks.connector`."""
     p.add_argument("--blocks", type=int, default=2048, help="blocks (2 MiB each) moved per pass")
     p.add_argument(
         "--kv-blocks", type=int, default=513, help="blocks of the vLLM KV cache (block 0 is vLLM's null block)"
@@ -165,10 +165,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    """`pagedkv bench connector`: measure, print the table, write --json / --plots."""
+    """`python -m benchmarks.connector`: measure, print the table, write --json / --plots."""
     result = run_connector_bench(
         blocks=args.blocks, kv_blocks=args.kv_blocks, batch=args.batch, repeats=args.repeats,
         tiers=tuple(args.tiers.split(",")), redis_url=args.redis_url, directory=args.dir, io_threads=args.io_threads,
     )  # fmt: skip
     report.finish(args, format_connector_report(result), result, plots)
     return 0
+
+
+if __name__ == "__main__":  # python -m benchmarks.connector
+    import sys
+
+    from benchmarks.command import main
+
+    sys.exit(main("benchmarks.connector", sys.modules[__name__]))

@@ -1,4 +1,4 @@
-"""The child process of `pagedkv bench faults`' disk-full case: ``python -m pagedkv.bench.faults_child``.
+"""The child process of `python -m benchmarks.faults`' disk-full case: ``python -m benchmarks.faults_child``.
 
 The case lowers RLIMIT_FSIZE, which lasts for the whole process, so it runs apart from the bench. Reads the
 case's spec (directory, workload, reference tokens, file size limit, torch threads) as JSON on stdin and
@@ -11,8 +11,8 @@ import json
 import sys
 from typing import Any
 
-from pagedkv.bench.faults_cases import Recorder, Workload, build_model
-from pagedkv.bench.faults_inject import run_case
+from benchmarks.faults_cases import Recorder, Workload, build_model
+from benchmarks.faults_inject import run_case
 
 __all__ = ["run_disk_full"]
 

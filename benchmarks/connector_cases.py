@@ -1,4 +1,4 @@
-"""The cases of `pagedkv bench connector`: `PagedKVConnector`'s worker side vs the raw medium.
+"""The cases of `python -m benchmarks.connector`: `PagedKVConnector`'s worker side vs the raw medium.
 
 `worker_connector` builds what a vLLM 0.33 worker has on CPU, with vLLM's own
 code: a `VllmConfig` of a Llama-shaped model (config only, no weights), the
@@ -30,7 +30,7 @@ def worker_connector(layers: int, kv_heads: int, head_dim: int, block: int, kv_b
                      layout: str = "LBHNC") -> tuple[Any, dict[str, torch.Tensor]]:  # fmt: skip
     """(worker-side `PagedKVConnector`, vLLM's per-layer KV views) of a bf16 Llama-shaped model."""
     os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="pagedkv-vllm-cache-"))
-    from pagedkv.bench.compare.peers import ensure_torchvision_ops
+    from benchmarks.compare.peers import ensure_torchvision_ops
 
     ensure_torchvision_ops()  # before vLLM / transformers import torchvision
     import vllm.model_executor.models.registry as registry

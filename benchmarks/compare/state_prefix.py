@@ -1,6 +1,6 @@
-"""`pagedkv bench state-prefix`: prefix hit rates of a Qwen3.5-shaped hybrid at equal byte budgets.
+"""`python -m benchmarks.compare.state_prefix`: prefix hit rates of a Qwen3.5-shaped hybrid at equal byte budgets.
 
-On the `bench compare` workloads (zipf system prompts, multi-turn, few-shot, doc QA), the same trace
+On the `benchmarks.compare` workloads (zipf system prompts, multi-turn, few-shot, doc QA), the same trace
 replays through the compare driver (`sim.simulate`, `max_num_seqs` = S) at a few byte budgets B, with:
 
 - pagedkv on the hybrid (`pagedkv_hybrid.StateCheckpointAdapter`: 8 full-attention layers in 16-token
@@ -22,13 +22,13 @@ replays through the compare driver (`sim.simulate`, `max_num_seqs` = S) at a few
   ceilings is a loss no state checkpoint can recover.
 
 Budgets: `fractions` of the bytes the ceiling's unbounded cache ends up holding (distinct full pages of the
-trace x 2 MiB), as `bench compare` sweeps fractions of the unbounded pages, never below the floor where
+trace x 2 MiB), as `benchmarks.compare` sweeps fractions of the unbounded pages, never below the floor where
 pagedkv runs (S live rows, twice the longest request's attention pages and one page per row: see `budgets`)
 nor below twice the longest request in the ceiling.
 pagedkv's eviction policy (attention pages and checkpoint runs alike) is `eviction` (LRU unless set); the
 ceiling keeps LRU. Per workload the "unbounded hybrid"
 figure is pagedkv's hybrid with unlimited pages: what its checkpoint saving rule itself allows.
-Hit rate = prompt tokens served from the cache / prompt tokens over first admissions, as `bench compare`.
+Hit rate = prompt tokens served from the cache / prompt tokens over first admissions, as `benchmarks.compare`.
 """
 
 from __future__ import annotations
@@ -41,18 +41,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from pagedkv.bench import report
-from pagedkv.bench.compare.pagedkv_adapter import PagedKVAdapter
-from pagedkv.bench.compare.pagedkv_hybrid import (
+from benchmarks.compare.pagedkv_adapter import PagedKVAdapter
+from benchmarks.compare.pagedkv_hybrid import (
     StallError,
     StateCheckpointAdapter,
     budget_pages,
     ceiling_params,
     hybrid_params,
 )
-from pagedkv.bench.compare.peer_vllm_hybrid import QWEN35, VllmHybridAdapter
-from pagedkv.bench.compare.peers import PeerUnavailable
-from pagedkv.bench.compare.sim import CacheAdapter, SimConfig, SimResult, simulate
+from benchmarks.compare.peer_vllm_hybrid import QWEN35, VllmHybridAdapter
+from benchmarks.compare.peers import PeerUnavailable
+from benchmarks.compare.sim import CacheAdapter, SimConfig, SimResult, simulate
+from pagedkv.bench import report
 from pagedkv.bench.timing import gc_frozen
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.memory import checkpoint_pages, num_state_rows, pool_page_bytes, state_row_bytes
@@ -405,8 +405,10 @@ def plots(result: dict[str, Any]) -> list[report.Plot]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `pagedkv bench state-prefix` (--json and --plots come with every bench)."""
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workloads (bench/workloads.py)")
+    """The options of `python -m benchmarks.compare.state_prefix` (--json and --plots come with every bench)."""
+    p.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help="comma-separated workloads (pagedkv.workloads.traces)"
+    )
     p.add_argument("--requests", type=int, default=1000, help="requests per workload")
     p.add_argument(
         "--fractions",
@@ -437,7 +439,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    """`pagedkv bench state-prefix`: run the sweep (or read --from-json), print the tables, write the files."""
+    """`python -m benchmarks.compare.state_prefix`: run the sweep (or read --from-json), print the tables, write the files."""
     if args.from_json:
         result = json.loads(args.from_json.read_text())
     else:
@@ -455,3 +457,11 @@ def command(args: argparse.Namespace) -> int:
         args.markdown.write_text(text)
     report.finish(args, text, result, plots)
     return 0
+
+
+if __name__ == "__main__":  # python -m benchmarks.compare.state_prefix
+    import sys
+
+    from benchmarks.command import main
+
+    sys.exit(main("benchmarks.compare.state_prefix", sys.modules[__name__]))

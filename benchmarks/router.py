@@ -1,8 +1,8 @@
-"""`pagedkv bench router`: KV-aware routing vs round-robin vs random over pagedkv engines in child processes.
+"""`python -m benchmarks.router`: KV-aware routing vs round-robin vs random over pagedkv engines in child processes.
 
 Four engines (`pagedkv engine`: a random-weight Llama, 2 layers, hidden 64, vocabulary 32000, each
 process on one torch thread) publish their KV events; an in-process `PrefixIndex` + `Router` routes
-the zipf and multiturn traces of `bench compare` (`pagedkv.workloads.traces`) to them over HTTP with
+the zipf and multiturn traces of `benchmarks.compare` (`pagedkv.workloads.traces`) to them over HTTP with
 `--clients` concurrent clients (a multiturn turn waits for the previous turn of its conversation).
 Every policy runs the same trace on the same engines, their caches reset in between. Per policy:
 fleet prefix hit rate (cached prompt tokens the engines reported / prompt tokens), mean TTFT
@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from benchmarks.processes import child_env
 from pagedkv.bench import report
 from pagedkv.workloads.traces import make_trace
 
@@ -42,7 +41,7 @@ POLICIES: dict[str, dict[str, Any]] = {  # label -> RouterPolicy fields
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `pagedkv bench router`."""
+    """The options of `python -m benchmarks.router`."""
     p.add_argument("--engines", type=int, default=4, help="engine processes")
     p.add_argument("--zipf-requests", type=int, default=400, help="requests of the zipf trace")
     p.add_argument("--multiturn-requests", type=int, default=300, help="requests of the multiturn trace (5 turns each)")
@@ -66,8 +65,7 @@ def _get(url: str) -> Any:
 
 
 def _start_engines(n: int, num_pages: int) -> list[tuple[subprocess.Popen[str], dict[str, Any]]]:
-    src = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
+    env = child_env()
     procs = [subprocess.Popen([sys.executable, "-m", "pagedkv.router.engine_server", "--name", f"e{i}",
                                "--num-pages", str(num_pages), "--max-len", "2048"],
                               stdout=subprocess.PIPE, text=True, env=env) for i in range(n)]  # fmt: skip
@@ -200,7 +198,7 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def command(args: argparse.Namespace) -> int:
-    """`pagedkv bench router`."""
+    """`python -m benchmarks.router`."""
     traces = {"zipf": args.zipf_requests, "multiturn": args.multiturn_requests}
     result = {
         "fleet": run_policies(args.engines, traces, args.num_pages, args.clients, args.max_tokens, args.seed),
@@ -208,3 +206,9 @@ def command(args: argparse.Namespace) -> int:
     }
     report.finish(args, format_report(result), result)
     return 0
+
+
+if __name__ == "__main__":  # python -m benchmarks.router
+    from benchmarks.command import main
+
+    sys.exit(main("benchmarks.router", sys.modules[__name__]))

@@ -2,7 +2,7 @@
 
 MAX pins transformers < 5.13, so it cannot share `.venv-peers` with vLLM and SGLang: `make peers` builds it
 in `.venv-max`. The compare run (any environment) starts one worker process there (`MaxWorker`:
-``python -m pagedkv.bench.compare.peer_max``) and sends it one replay per line on stdin; the worker
+``python -m benchmarks.compare.peer_max``) and sends it one replay per line on stdin; the worker
 replays the trace through the same driver (`sim.simulate`, garbage collector frozen) with `MaxAdapter`,
 so the bookkeeping seconds are measured inside the MAX process around the same adapter calls as every
 other manager, and answers one JSON line per replay (`SimResult`'s counters). The interpreter is
@@ -33,7 +33,8 @@ from typing import IO, Any
 
 import numpy as np
 
-from pagedkv.bench.compare.sim import SimConfig, SimResult, simulate
+from benchmarks.compare.sim import SimConfig, SimResult, simulate
+from benchmarks.processes import ROOT, child_env
 from pagedkv.bench.timing import gc_frozen
 from pagedkv.workloads.traces import TraceRequest, make_trace
 
@@ -205,7 +206,7 @@ def max_python() -> str:
     env = os.environ.get("PAGEDKV_MAX_PYTHON")
     if env:
         return env
-    return str(Path(__file__).resolve().parents[4] / ".venv-max" / "bin" / "python")
+    return str(ROOT / ".venv-max" / "bin" / "python")
 
 
 class MaxWorker:
@@ -217,15 +218,14 @@ class MaxWorker:
     """
 
     def __init__(self, python: str | None = None) -> None:
-        from pagedkv.bench.compare.peers import PeerUnavailable
+        from benchmarks.compare.peers import PeerUnavailable
 
         self.python = python or max_python()
         if not Path(self.python).exists():
             raise PeerUnavailable(f"MAX's interpreter {self.python} does not exist (`make peers` builds .venv-max, "
                                   "or set PAGEDKV_MAX_PYTHON)")  # fmt: skip
-        src = str(Path(__file__).resolve().parents[3])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
-        self.proc = subprocess.Popen([self.python, "-m", "pagedkv.bench.compare.peer_max"], stdin=subprocess.PIPE,
+        env = child_env()
+        self.proc = subprocess.Popen([self.python, "-m", "benchmarks.compare.peer_max"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
         hello = self._read()
         if hello is None or "error" in hello:

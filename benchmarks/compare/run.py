@@ -1,4 +1,4 @@
-"""`pagedkv bench compare`: every manager on every workload and capacity, side by side in one process.
+"""`python -m benchmarks.compare`: every manager on every workload and capacity, side by side in one process.
 
 For each workload (`traces`) the capacity sweeps from tight to ample as
 fractions of the pages an unbounded cache would end up holding (never below
@@ -25,12 +25,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.compare.pagedkv_adapter import BeladyAdapter, PagedKVAdapter, PagedKVNoQueueAdapter, compare_params
+from benchmarks.compare.peer_max import MaxWorker
+from benchmarks.compare.peers import PeerUnavailable, load_peer
+from benchmarks.compare.report import NO_QUEUE
+from benchmarks.compare.sim import CacheAdapter, SimConfig, SimResult, simulate
 from pagedkv.bench import timing
-from pagedkv.bench.compare.pagedkv_adapter import BeladyAdapter, PagedKVAdapter, PagedKVNoQueueAdapter, compare_params
-from pagedkv.bench.compare.peer_max import MaxWorker
-from pagedkv.bench.compare.peers import PeerUnavailable, load_peer
-from pagedkv.bench.compare.report import NO_QUEUE
-from pagedkv.bench.compare.sim import CacheAdapter, SimConfig, SimResult, simulate
 from pagedkv.bench.timing import gc_frozen
 from pagedkv.params.validation import check_int
 from pagedkv.workloads.traces import WORKLOADS, TraceRequest, decode_trace, ideal_hit_rates, make_trace, unique_pages
@@ -240,7 +240,7 @@ def hash_ns_per_token(trace: list[TraceRequest], page_size: int, peers: Sequence
     out["sha256_chain_floor"] = timing.sha256_chain_floor_ns(prompts, page_size, repeats)
     if "vllm" in peers and "vllm" not in skipped:
         try:
-            from pagedkv.bench.compare.peer_vllm import vllm_hash_ns_per_token
+            from benchmarks.compare.peer_vllm import vllm_hash_ns_per_token
 
             for name in ("sha256", "xxhash"):
                 out[f"vllm_{name}"] = vllm_hash_ns_per_token(prompts, page_size, name)
@@ -250,15 +250,17 @@ def hash_ns_per_token(trace: list[TraceRequest], page_size: int, peers: Sequence
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `pagedkv bench compare` (--json and --plots come with every bench)."""
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workloads (bench/workloads.py)")
+    """The options of `python -m benchmarks.compare` (--json and --plots come with every bench)."""
+    p.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help="comma-separated workloads (pagedkv.workloads.traces)"
+    )
     p.add_argument("--requests", type=int, default=1000, help="requests per workload")
     p.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
                    help="capacities, as fractions of the pages an unbounded cache would hold")  # fmt: skip
     p.add_argument("--peers", default="vllm,sglang,max",
                    help="peer managers to load ('' for none); max runs in $PAGEDKV_MAX_PYTHON or .venv-max")  # fmt: skip
     p.add_argument(
-        "--policies", default=",".join(POLICIES), help="pagedkv configurations (POLICIES in bench/compare/run.py)"
+        "--policies", default=",".join(POLICIES), help="pagedkv configurations (POLICIES in benchmarks/compare/run.py)"
     )
     p.add_argument("--no-belady", action="store_true", help="skip the offline-optimal (Belady) bound")
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads")
@@ -269,9 +271,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    """`pagedkv bench compare`: run the sweep (or read --from-json), print the tables, write the files."""
+    """`python -m benchmarks.compare`: run the sweep (or read --from-json), print the tables, write the files."""
+    from benchmarks.compare.report import format_markdown, plots
     from pagedkv.bench import report
-    from pagedkv.bench.compare.report import format_markdown, plots
 
     if args.from_json:
         result = json.loads(args.from_json.read_text())

@@ -138,14 +138,20 @@ def plots(result: dict[str, Any]) -> list[report.Plot]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `pagedkv bench step-calls`."""
+    """The options of `python -m benchmarks.step_calls`."""
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the tiny Llama")
     p.add_argument("--batch", type=int, default=3, help="requests decoding together")
     p.add_argument("--steps", type=int, default=4, help="decode steps profiled")
 
 
 def command(args: argparse.Namespace) -> int:
-    """`pagedkv bench step-calls`: profile decode steps, print the tables, write --json / --plots."""
+    """`python -m benchmarks.step_calls`: profile decode steps, print the tables, write --json / --plots."""
     result = count_step_calls(num_layers=args.layers, batch=args.batch, steps=args.steps)
     report.finish(args, format_step_calls(result), result, plots)
     return 0
+
+
+if __name__ == "__main__":  # python -m benchmarks.step_calls
+    from benchmarks.command import main
+
+    sys.exit(main("benchmarks.step_calls", sys.modules[__name__]))

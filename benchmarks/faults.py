@@ -1,4 +1,4 @@
-"""`pagedkv bench faults`: real faults under the disk and Redis tiers while `LLMEngine`s serve.
+"""`python -m benchmarks.faults`: real faults under the disk and Redis tiers while `LLMEngine`s serve.
 
 Each case, on a tiny seeded Llama, greedy, in rounds: fill (an engine serves prompts in groups sharing a
 prefix; its pages go down to the tier), the fault for real (redis-server SIGKILLed mid-run, the disk full
@@ -24,9 +24,10 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.bench import faults_cases as fc
+from benchmarks import faults_cases as fc
+from benchmarks.faults_inject import DAMAGING, run_case
+from benchmarks.processes import child_env
 from pagedkv.bench import report
-from pagedkv.bench.faults_inject import DAMAGING, run_case
 
 if TYPE_CHECKING:
     from pagedkv.bench.tiers_redis import RedisServer
@@ -150,8 +151,9 @@ def run_faults(
                 if name == "disk-full":  # lowers RLIMIT_FSIZE: in a child process; no page file (header + 4 KiB) fits
                     spec = {"dir": str(directory), "workload": asdict(workload), "reference": reference,
                             "fsize_limit": HEADER_SIZE, "threads": torch.get_num_threads()}  # fmt: skip
-                    proc = subprocess.run([sys.executable, "-m", "pagedkv.bench.faults_child"], input=json.dumps(spec),
-                                          capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
+                    proc = subprocess.run([sys.executable, "-m", "benchmarks.faults_child"], input=json.dumps(spec),
+                                          capture_output=True, text=True, timeout=900, check=False,
+                                          env=child_env())  # fmt: skip
                     if proc.returncode != 0:
                         raise RuntimeError(f"the disk-full case's process failed:\n{proc.stderr[-4000:]}")
                     raw = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -206,7 +208,7 @@ def plots(result: dict[str, Any]) -> list[report.Plot]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `pagedkv bench faults`."""
+    """The options of `python -m benchmarks.faults`."""
     p.add_argument("--requests", type=int, default=32, help="requests per round (3 rounds in most cases)")
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated cases")
     p.add_argument("--redis-url", help="server for none-redis / corrupt-redis (default: start redis-server)")
@@ -214,7 +216,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    """`pagedkv bench faults`: run, print the table, write --json / --plots; 0 when every case is ok."""
+    """`python -m benchmarks.faults`: run, print the table, write --json / --plots; 0 when every case is ok."""
     import torch
 
     threads = torch.get_num_threads()
@@ -227,3 +229,9 @@ def command(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     report.finish(args, format_faults_report(result), result, plots)
     return 0 if all(c["ok"] for c in result["cases"].values()) else 1
+
+
+if __name__ == "__main__":  # python -m benchmarks.faults
+    from benchmarks.command import main
+
+    sys.exit(main("benchmarks.faults", sys.modules[__name__]))

@@ -53,8 +53,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from pagedkv.bench.compare.peer_vllm import _block_hasher, _vllm
-from pagedkv.bench.compare.peers import import_peer
+from benchmarks.compare.peer_vllm import _block_hasher, _vllm
+from benchmarks.compare.peers import import_peer
 from pagedkv.workloads.traces import TraceRequest
 
 __all__ = ["HybridShape", "QWEN35", "GDN_PREFILL_BACKENDS", "VllmHybridAdapter", "align_hybrid_block_size"]
