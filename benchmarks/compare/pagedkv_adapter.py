@@ -20,7 +20,7 @@ from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.hashing import BlockHash
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.params import KVCacheParams
+from pagedkv.params.kv import KVCacheParams
 from pagedkv.workloads.traces import TraceRequest
 
 __all__ = ["PagedKVAdapter", "PagedKVNoQueueAdapter", "BeladyAdapter", "BeladyOracle", "compare_params", "handles"]

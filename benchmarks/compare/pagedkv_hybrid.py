@@ -34,8 +34,8 @@ from pagedkv.core.memory import compute_num_device_blocks, num_state_rows
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec, group_layer_specs
 from pagedkv.manager.hybrid import make_block_manager
-from pagedkv.params import KVCacheParams
 from pagedkv.params.bridge import params_from_kv_cache_config
+from pagedkv.params.kv import KVCacheParams
 from pagedkv.params.multi import MultiKVCacheParams
 from pagedkv.specs import FullAttentionSpec, KVCacheSpec, MambaSpec
 from pagedkv.workloads.traces import TraceRequest

@@ -16,11 +16,11 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "DType": "pagedkv.dtype",
     "DeviceRef": "pagedkv.dtype",
-    "KVCacheParams": "pagedkv.params",
-    "KVCacheParamInterface": "pagedkv.params",
-    "BatchCharacteristics": "pagedkv.params",
-    "KVCacheQuantizationConfig": "pagedkv.params",
-    "KVConnectorType": "pagedkv.params",
+    "KVCacheParams": "pagedkv.params.kv",
+    "KVCacheParamInterface": "pagedkv.params.kv",
+    "BatchCharacteristics": "pagedkv.params.kv",
+    "KVCacheQuantizationConfig": "pagedkv.params.kv",
+    "KVConnectorType": "pagedkv.params.kv",
     "KVConnectorConfig": "pagedkv.params.connector",
     "MultiKVCacheParams": "pagedkv.params.multi",
     "StateCacheParams": "pagedkv.params.state",
@@ -85,14 +85,14 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from pagedkv.manager.base import KVCacheManager
     from pagedkv.manager.continuous import ContinuousBatchingKVCacheManager
     from pagedkv.manager.paged import PagedKVCacheManager
-    from pagedkv.params import (
+    from pagedkv.params.connector import KVConnectorConfig
+    from pagedkv.params.kv import (
         BatchCharacteristics,
         KVCacheParamInterface,
         KVCacheParams,
         KVCacheQuantizationConfig,
         KVConnectorType,
     )
-    from pagedkv.params.connector import KVConnectorConfig
     from pagedkv.params.multi import MultiKVCacheParams
     from pagedkv.params.state import StateCacheParams
     from pagedkv.params.symbols import (

@@ -27,7 +27,7 @@ import torch
 from pagedkv.core.context import TextContext
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.params import KVCacheParams
+from pagedkv.params.kv import KVCacheParams
 from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs, StateCacheInputs
 
 __all__ = ["PrefixStampModel", "build_demo_model", "build_llama", "prefix_values"]

@@ -17,7 +17,7 @@ import torch
 from pagedkv.bench import report
 from pagedkv.demos.engine import DemoWorkload
 from pagedkv.dtype import DType
-from pagedkv.params import KVCacheQuantizationConfig
+from pagedkv.params.kv import KVCacheQuantizationConfig
 from pagedkv.testing import build_demo_model
 
 __all__ = [

@@ -32,8 +32,8 @@ from pagedkv.dtype import DeviceRef, DType
 from pagedkv.interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, group_layer_specs
 from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.params import KVCacheParams
 from pagedkv.params.bridge import params_from_kv_cache_config
+from pagedkv.params.kv import KVCacheParams
 from pagedkv.params.multi import MultiKVCacheParams
 from pagedkv.workloads.replay import replay
 from pagedkv.workloads.traces import ideal_hit_rates, shared_prefix_trace

@@ -28,7 +28,7 @@ from pagedkv.core.memory import compute_num_device_blocks
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.continuous import ContinuousBatchingKVCacheManager
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.params import KVCacheParams
+from pagedkv.params.kv import KVCacheParams
 from pagedkv.workloads.replay import replay
 from pagedkv.workloads.traces import shared_prefix_trace
 

@@ -36,7 +36,7 @@ from pagedkv.core.context import TextContext
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.interface import FullAttentionSpec, KVCacheSpec, MambaSpec, get_kv_cache_config
 from pagedkv.manager.hybrid import make_block_manager
-from pagedkv.params import KVCacheParams
+from pagedkv.params.kv import KVCacheParams
 from pagedkv.params.multi import MultiKVCacheParams
 from pagedkv.params.state import StateCacheParams
 

@@ -22,7 +22,7 @@ import math
 
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.managers import FullAttentionManager, MLAAttentionManager, manager_for
-from pagedkv.params import KVCacheParams, KVConnectorType
+from pagedkv.params.kv import KVCacheParams, KVConnectorType
 from pagedkv.params.multi import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params.validation import check_int
 

@@ -14,7 +14,7 @@ import time
 
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.params import KVCacheParams
+from pagedkv.params.kv import KVCacheParams
 from pagedkv.testing import PrefixStampModel
 from pagedkv.workloads.progress import Progress
 from pagedkv.workloads.replay import replay

@@ -14,7 +14,7 @@ from pagedkv.core.context import TextContext, check_request_id
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.tables import check_batch
 from pagedkv.manager import hybrid
-from pagedkv.params import BatchCharacteristics, KVCacheParams
+from pagedkv.params.kv import BatchCharacteristics, KVCacheParams
 from pagedkv.params.multi import MultiKVCacheParams
 from pagedkv.params.validation import INT32_MAX, check_int
 from pagedkv.runtime.buffers import check_fits

@@ -21,7 +21,7 @@ from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.managers import manager_for
 from pagedkv.core.memory import is_hybrid
 from pagedkv.core.tables import BatchTables
-from pagedkv.params import KVCacheParams
+from pagedkv.params.kv import KVCacheParams
 from pagedkv.params.multi import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params.state import StateCacheParams
 from pagedkv.runtime.arena import allocate_arena_buffers

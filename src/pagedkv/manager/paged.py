@@ -39,8 +39,8 @@ from pagedkv.manager.swap import SwappedRequests
 from pagedkv.manager.tiering import Tiering
 from pagedkv.ops.page_copy import copy_page_slots
 from pagedkv.ops.state_runs import copy_state_run
-from pagedkv.params import BatchCharacteristics, KVConnectorType
 from pagedkv.params.bridge import params_from_kv_cache_config
+from pagedkv.params.kv import BatchCharacteristics, KVConnectorType
 from pagedkv.params.multi import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params.validation import INT32_MAX, check_weights_version
 from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer

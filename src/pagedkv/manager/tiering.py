@@ -37,7 +37,7 @@ from pagedkv.core.memory import compute_num_host_blocks
 from pagedkv.manager.hybrid import ReplicaBookkeeping
 from pagedkv.manager.tier_link import CoordinatorTiers, PageEvents, state_events
 from pagedkv.offload.tier_stats import TierStats
-from pagedkv.params import KVConnectorType
+from pagedkv.params.kv import KVConnectorType
 from pagedkv.params.multi import KVCacheParamInterface
 
 __all__ = ["Tiering"]

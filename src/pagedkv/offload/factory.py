@@ -10,8 +10,8 @@ from pagedkv.offload.format import layout_fingerprint
 from pagedkv.offload.state_images import StateImageMover
 from pagedkv.offload.tier import LowerTier
 from pagedkv.offload.transfer import PageMover, RowMover
-from pagedkv.params import KVConnectorType
 from pagedkv.params.connector import KVConnectorConfig
+from pagedkv.params.kv import KVConnectorType
 from pagedkv.params.multi import KVCacheParamInterface
 from pagedkv.runtime.arena import HybridKVCacheBuffer
 from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer

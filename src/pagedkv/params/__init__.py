@@ -14,15 +14,9 @@
 `allocate_buffers` on the params is the one call that reaches up (to `pagedkv.runtime`), lazily.
 """
 
-from pagedkv.params.kv import (
-    HASH_ALGOS,
-    BatchCharacteristics,
-    KVCacheParamInterface,
-    KVCacheParams,
-    KVCacheQuantizationConfig,
-    KVConnectorType,
-    split_into_groups,
-)
+from __future__ import annotations
+
+from pagedkv.lazy import lazy_exports
 
 __all__ = [
     "HASH_ALGOS",
@@ -33,3 +27,7 @@ __all__ = [
     "KVConnectorType",
     "split_into_groups",
 ]
+
+# Names load on first use (PEP 562): importing a submodule (`validation` from the bookkeeping, say) runs
+# this file without loading `kv`. Inside pagedkv, modules import from `pagedkv.params.kv` itself.
+__getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(__all__, "pagedkv.params.kv"), globals())

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedkv.core.memory import ROW_ALIGN
-from pagedkv.params import KVCacheParams
+from pagedkv.params.kv import KVCacheParams
 from pagedkv.params.state import StateCacheParams
 from pagedkv.runtime.buffers import KVCacheBuffer, KVCacheMemory, MultiKVCacheBuffer
 from pagedkv.runtime.state_buffers import make_state_buffer

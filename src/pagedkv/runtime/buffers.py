@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.params import KVCacheParams
+from pagedkv.params.kv import KVCacheParams
 from pagedkv.params.multi import MultiKVCacheParams
 from pagedkv.params.validation import INT32_MAX, check_int
 
