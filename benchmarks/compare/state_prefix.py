@@ -56,6 +56,7 @@ from pagedkv.bench import report
 from pagedkv.bench.timing import gc_frozen
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.memory import checkpoint_pages, num_state_rows, pool_page_bytes, state_row_bytes
+from pagedkv.core.pool import EVICTION_POLICIES
 from pagedkv.workloads.traces import TraceRequest, ideal_hit_rates, make_trace, unique_pages
 
 __all__ = [
@@ -430,7 +431,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--eviction",
         default="lru",
-        choices=["lru", "slru", "lfu", "arc"],
+        choices=list(EVICTION_POLICIES),
         help="pagedkv's eviction policy on the hybrid (attention pages and checkpoint rows)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads")

@@ -37,7 +37,7 @@ _EXPORTS = {
     "Retention": "pagedkv.core.context",
     "TokenBuffer": "pagedkv.core.context",
     "KVCacheMetrics": "pagedkv.core.metrics",
-    "BlockPool": "pagedkv.core.block_pool",
+    "BlockPool": "pagedkv.core.pool",
     "BlockManager": "pagedkv.core.block_manager",
     "hash_tokens": "pagedkv.core.hashing",
     "compute_num_device_blocks": "pagedkv.core.memory",
@@ -69,7 +69,6 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from pagedkv.core.block_manager import BlockManager
-    from pagedkv.core.block_pool import BlockPool
     from pagedkv.core.context import Retention, TextContext, TokenBuffer
     from pagedkv.core.errors import InsufficientBlocksError, IntegrityError, MissingPagesError
     from pagedkv.core.hashing import hash_tokens
@@ -81,6 +80,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         infer_optimal_batch_size,
     )
     from pagedkv.core.metrics import KVCacheMetrics
+    from pagedkv.core.pool import BlockPool
     from pagedkv.dtype import DeviceRef, DType
     from pagedkv.manager.base import KVCacheManager
     from pagedkv.manager.continuous import ContinuousBatchingKVCacheManager

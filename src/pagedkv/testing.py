@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from pagedkv.core.context import TextContext
-from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params.kv import KVCacheParams
 from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs, StateCacheInputs
@@ -83,8 +82,7 @@ class PrefixStampModel:
 
     def _policy(self, replica: int, group: int) -> KVCacheParams | None:
         """The cache's params, which say (independently of the managers) which keys a query sees."""
-        bm = self.manager._managers[replica]
-        return self.manager.params.leaves()[group] if isinstance(bm, KVCacheCoordinator) else None
+        return self.manager.params.leaves()[group] if self.manager.hybrid else None
 
     def _prefix_values(self, ctx: TextContext, end: int) -> np.ndarray:
         """prefix_values of the request's first `end` tokens, extending the last result when it still applies."""

@@ -4,11 +4,11 @@ checkpoints (`StateCheckpoints` with ``run_pages``), torch-free."""
 from __future__ import annotations
 
 from helpers import ctx
-from pagedkv.core.checkpoints import RunCopy, run_key
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.events import BlockRemoved, BlockStored
-from pagedkv.core.managers import FullAttentionManager, MambaManager
+from pagedkv.core.groups import FullAttentionManager, MambaManager
 from pagedkv.core.partial_pages import PageCopy
+from pagedkv.core.state.checkpoints import RunCopy, run_key
 
 PS = 4
 RUN = 3  # pages a checkpoint's run takes

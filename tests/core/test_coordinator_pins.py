@@ -8,7 +8,7 @@ import pytest
 from helpers import ctx, snapshot
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.managers import FullAttentionManager, SlidingWindowManager
+from pagedkv.core.groups import FullAttentionManager, SlidingWindowManager
 
 N = 30  # the null page id when num_blocks=30
 

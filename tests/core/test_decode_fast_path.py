@@ -16,7 +16,7 @@ import pytest
 from helpers import ctx, snapshot
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.managers import (
+from pagedkv.core.groups import (
     ChunkedLocalAttentionManager,
     FullAttentionManager,
     SinkAttentionManager,

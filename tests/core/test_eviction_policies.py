@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.context import Retention
-from pagedkv.core.eviction import ArcState
+from pagedkv.core.pool import BlockPool
+from pagedkv.core.pool.policies import ArcPolicy, LfuPolicy
 
 
 def cached_pool(n: int, chain: bool = False, **kwargs: object) -> BlockPool:
@@ -49,7 +49,7 @@ def test_lfu_ages_so_old_popular_pages_yield_to_new_ones() -> None:
     hit_twice(pool, 0)
     hit_twice(pool, 1)  # both ranked 0 (aging) + 2 hits; 0 was refreshed before 1
     assert pool.allocate(1) == [0]  # evicting a page ranked 2 raises the aging floor to 2
-    assert pool._order is not None and pool._order.aging == 2
+    assert isinstance(pool.policy, LfuPolicy) and pool.policy.aging == 2
     pool.free([2])  # a cold newcomer now ranks 2 + 0: level with page 1's old popularity
     assert pool.allocate(1) == [1]  # ... and page 1, older, yields first
     pool.free([3])
@@ -126,17 +126,17 @@ def test_retention_validates() -> None:
 
 
 def test_arc_adapts_its_split_from_ghost_hits() -> None:
-    arc = ArcState(num_blocks=3)
+    arc = ArcPolicy(num_blocks=3)
     assert arc.from_probation(2, 5)  # p = 0: probation (T1) goes first, as in SLRU
     arc.evicted(b"t1-a", from_probation=True)
     arc.evicted(b"t1-b", from_probation=True)
     arc.evicted(b"t2-a", from_probation=False)
-    arc.missed(b"t1-a")  # T1 was too small: p += max(1, |B2| / |B1|) = max(1, 1 / 2)
+    arc.missed([b"t1-a"])  # T1 was too small: p += max(1, |B2| / |B1|) = max(1, 1 / 2)
     assert arc.p == 1.0 and b"t1-a" not in arc.b1
     assert not arc.from_probation(1, 5) and arc.from_probation(2, 5) and arc.from_probation(1, 0)
-    arc.missed(b"t2-a")  # T2 was too small: p -= max(1, |B1| / |B2|) = 1
+    arc.missed([b"t2-a"])  # T2 was too small: p -= max(1, |B1| / |B2|) = 1
     assert arc.p == 0.0 and not arc.b2
-    arc.missed(b"never")  # no ghost: nothing changes
+    arc.missed([b"never"])  # no ghost: nothing changes
     assert arc.p == 0.0
     for k in range(5):  # ghosts are bounded by the pool size, oldest dropped
         arc.evicted(bytes([k]), from_probation=True)
@@ -148,9 +148,10 @@ def test_arc_pool_evicts_lru_pages_while_probation_is_within_its_target() -> Non
     pool.free([0, 1, 2])  # probation: never reused
     hit_twice(pool, 2)  # page 2 served hits: LRU (T2)
     pool.free([3])
-    assert pool.arc is not None
-    pool.arc.p = 2.0  # T1 may hold two pages: it holds 3, so the next victim is T1's oldest
+    arc = pool.policy
+    assert isinstance(arc, ArcPolicy)
+    arc.p = 2.0  # T1 may hold two pages: it holds 3, so the next victim is T1's oldest
     assert pool.allocate(1) == [0]
-    assert list(pool.arc.b1) == [b"h0"]
+    assert list(arc.b1) == [b"h0"]
     assert pool.allocate(1) == [2]  # T1 now holds 2 = p: T2's oldest goes
-    assert list(pool.arc.b2) == [b"h2"]
+    assert list(arc.b2) == [b"h2"]

@@ -13,7 +13,7 @@ import pytest
 from helpers import ctx
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.managers import (
+from pagedkv.core.groups import (
     ChunkedLocalAttentionManager,
     CrossAttentionManager,
     FullAttentionManager,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.errors import InsufficientBlocksError, IntegrityError
+from pagedkv.core.pool import BlockPool
 from pagedkv.params import KVCacheParams
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from pagedkv.core.block_manager import BlockManager
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.context import TextContext
+from pagedkv.core.pool import BlockPool
 
 PS = 4
 
@@ -159,7 +159,7 @@ def test_a_hybrid_coordinator_keeps_a_waiting_requests_pages_in_every_group(expe
     each), 6 pages are fresh; a stranger of 5 pages a group (10) evicts 4: LRU takes A's, queue-aware retention
     B's."""
     from pagedkv.core.coordinator import KVCacheCoordinator
-    from pagedkv.core.managers import FullAttentionManager
+    from pagedkv.core.groups import FullAttentionManager
 
     c = KVCacheCoordinator(14, PS, [FullAttentionManager(0, PS), FullAttentionManager(1, PS)],
                            enable_prefix_caching=True)  # fmt: skip

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from helpers import ctx, snapshot
-from pagedkv.core.checkpoints import StateCopy, checkpoint_key
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.managers import FullAttentionManager, MambaManager, SlidingWindowManager
+from pagedkv.core.groups import FullAttentionManager, MambaManager, SlidingWindowManager
 from pagedkv.core.partial_pages import PageCopy
+from pagedkv.core.state.checkpoints import StateCopy, checkpoint_key
 
 PS = 4
 SYSTEM = list(range(1000, 1010))  # 10 tokens: two full pages and a tail of 2
@@ -293,8 +293,8 @@ def test_a_weights_update_between_a_step_and_the_release_saves_nothing() -> None
 
 
 def test_reclaim_takes_the_lowest_priority_checkpoint_first() -> None:
-    from pagedkv.core.block_pool import BlockPool
-    from pagedkv.core.checkpoints import StateCheckpoints
+    from pagedkv.core.pool import BlockPool
+    from pagedkv.core.state.checkpoints import StateCheckpoints
 
     pool = BlockPool(8, True)
     states = StateCheckpoints(4, 1, pool, 4, enabled=True)

@@ -8,7 +8,7 @@ import pytest
 from helpers import ctx, snapshot
 from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.errors import InsufficientBlocksError, MissingPagesError
-from pagedkv.core.managers import FullAttentionManager, MambaManager, SlidingWindowManager, min_request_pages
+from pagedkv.core.groups import FullAttentionManager, MambaManager, SlidingWindowManager, min_request_pages
 from pagedkv.core.tables import lut_columns
 
 N = 12  # attention pages; the null page id is 12

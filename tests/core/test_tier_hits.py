@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from helpers import ctx
-from pagedkv.core.checkpoints import checkpoint_key
 from pagedkv.core.coordinator import KVCacheCoordinator
+from pagedkv.core.groups import FullAttentionManager, MambaManager
 from pagedkv.core.hashing import BlockHash
-from pagedkv.core.managers import FullAttentionManager, MambaManager
+from pagedkv.core.state.checkpoints import checkpoint_key
 from pagedkv.core.tier_hits import RECENT_PAGES
 
 PS = 4

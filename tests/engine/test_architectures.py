@@ -18,7 +18,7 @@ import torch
 from architectures import PARITY, REFUSED, build, render_markdown
 
 from hf_models import hf_greedy
-from pagedkv.core.managers import manager_for, min_request_pages
+from pagedkv.core.groups import manager_for, min_request_pages
 from pagedkv.engine import LLMEngine
 from pagedkv.hf.config import kv_layout
 
@@ -45,7 +45,7 @@ def teacher_forced(model: torch.nn.Module, prompt: list[int], output: list[int])
 def pool_pages(model: torch.nn.Module, prompts: list[list[int]]) -> int:
     """Pages of 4 in a pool that holds any one request alone, also when it comes back from a recompute
     preemption with its whole context as prompt, and no more: the true minimum
-    (`pagedkv.core.managers.min_request_pages` over the model's page-table groups, windows counted at their
+    (`pagedkv.core.groups.min_request_pages` over the model's page-table groups, windows counted at their
     peak), far below what a wave of three needs, so the first wave preempts, windowed models too."""
     leaves = kv_layout(model.config, model=model, page_size=4).params.leaves()
     groups = [manager_for(g, leaf.kv_cache_spec) for g, leaf in enumerate(leaves)]

@@ -22,8 +22,8 @@ def prompts() -> list[list[int]]:
 
 
 @functools.cache
-def reference() -> tuple[tuple[list[int], list[torch.Tensor]], ...]:
-    model = build("llama")
+def reference(name: str) -> tuple[tuple[list[int], list[torch.Tensor]], ...]:
+    model = build(name)
     return tuple(hf_greedy(model, p, NEW_TOKENS) for p in prompts())
 
 
@@ -33,15 +33,18 @@ def reference() -> tuple[tuple[list[int], list[torch.Tensor]], ...]:
     (False, 256, [0, 0, 0]),  # pages become hittable only at step: nothing is shared in step 1
     (False, 64, [0, 0, 32]),  # ... so only the request admitted in step 2 hits
 ])  # fmt: skip
-def test_same_step_sharing_matches_transformers(commit_on_alloc: bool, budget: int, cached: list[int]) -> None:
+@pytest.mark.parametrize("name", ["llama", "gemma2"])  # gemma2: full and sliding-window groups over one pool
+def test_same_step_sharing_matches_transformers(
+    name: str, commit_on_alloc: bool, budget: int, cached: list[int]
+) -> None:
     engine = LLMEngine.from_hf(
-        build("llama"), page_size=16, num_pages=32, enable_prefix_caching=True, commit_on_alloc=commit_on_alloc,
+        build(name), page_size=16, num_pages=32, enable_prefix_caching=True, commit_on_alloc=commit_on_alloc,
         max_batch_size=4, max_num_batched_tokens=budget, record_logits=True,
     )  # fmt: skip
     requests = [engine.add_request(p, NEW_TOKENS) for p in prompts()]
     engine.run()
     assert [r.cached_tokens for r in requests] == cached
-    for i, (request, (tokens, logits)) in enumerate(zip(requests, reference(), strict=True)):
+    for i, (request, (tokens, logits)) in enumerate(zip(requests, reference(name), strict=True)):
         assert request.output == tokens, f"prompt {i}: engine {request.output} != transformers {tokens}"
         diff = max(float((a - b).abs().max()) for a, b in zip(request.logits, logits, strict=True))
         assert diff < 1e-4, f"prompt {i}: logits differ by {diff}"

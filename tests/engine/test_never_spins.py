@@ -3,7 +3,7 @@
 - A request the pool can never hold alone is refused by `add_request` / `generate`
   (`InsufficientBlocksError` naming its pages and the pool), hybrid models included (Gemma 2/3
   sliding + full, Llama 4 chunked + full: these used to preempt themselves forever, 0 tokens);
-  at exactly its minimum (`pagedkv.core.managers.min_request_pages`) it is served with
+  at exactly its minimum (`pagedkv.core.groups.min_request_pages`) it is served with
   transformers' greedy tokens, whatever the step budget.
 - `step` refuses to run once the model's attention implementation was switched away.
 - Misuse names the user's own argument; `step()` on an empty engine returns [].
@@ -20,7 +20,7 @@ import torch
 
 from hf_models import ARCHS, COMMON, hf_greedy
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.managers import manager_for, min_request_pages
+from pagedkv.core.groups import manager_for, min_request_pages
 from pagedkv.engine import LLMEngine, SamplingParams
 
 

@@ -20,7 +20,7 @@ from state_models import STATE_MODELS, build_state_model
 
 from pagedkv.core import memory
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.managers import manager_for, min_request_pages
+from pagedkv.core.groups import manager_for, min_request_pages
 from pagedkv.engine import LLMEngine
 from pagedkv.engine.request import Request
 from pagedkv.hf.config import kv_layout

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from state_models import build_state_model
 
-from pagedkv.core.managers import manager_for, min_request_pages
+from pagedkv.core.groups import manager_for, min_request_pages
 from pagedkv.engine import LLMEngine
 from pagedkv.hf.config import kv_layout
 

@@ -72,6 +72,7 @@ from hypothesis.stateful import initialize, invariant, rule
 from test_stateful import ManagerMachine, layout_params
 
 from pagedkv.core.context import TextContext
+from pagedkv.core.pool import EVICTION_POLICIES
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params.connector import KVConnectorConfig
 from pagedkv.testing import PrefixStampModel
@@ -97,7 +98,7 @@ class TierMachine(TierRules, ManagerMachine):
         spec=st.sampled_from([0, 0, 2]),
         algo=st.sampled_from(["sha256", "sha256_64", "xxh3_128"]),
         layout=st.sampled_from(["mha", "mha-tp2", "mla-tp2"]),  # what tiers support (no hybrid)
-        policy=st.sampled_from(["lru", "slru", "lfu", "arc"]),
+        policy=st.sampled_from(list(EVICTION_POLICIES)),  # every registered policy
         protect=st.sampled_from([0.0, 0.25]),
         leaves=st.booleans(),
         connector=st.sampled_from(CONNECTORS + CONNECTORS[1:]),  # the lower tiers twice as often

@@ -12,8 +12,8 @@ import torch
 
 from helpers import ctx
 from pagedkv import DeviceRef, DType, KVCacheParams, MultiKVCacheParams, PagedKVCacheManager
-from pagedkv.core.checkpoints import checkpoint_key
 from pagedkv.core.context import TextContext
+from pagedkv.core.state.checkpoints import checkpoint_key
 from pagedkv.interface import MambaSpec
 from pagedkv.params.connector import KVConnectorConfig
 from pagedkv.params.state import StateCacheParams

@@ -12,7 +12,8 @@ import pytest
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.context import Retention, TextContext
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.eviction import LRU, PROBATION
+from pagedkv.core.pool import EVICTION_POLICIES
+from pagedkv.core.pool.eviction import LRU, PROBATION
 
 PS = 4
 
@@ -51,7 +52,7 @@ def check_wants(bm: BlockManager) -> None:
 
 
 @pytest.mark.parametrize("seed", range(12))
-@pytest.mark.parametrize("policy,lf", [("lru", False), ("slru", False), ("lfu", False), ("arc", False), ("lru", True)])
+@pytest.mark.parametrize("policy,lf", [*((p, False) for p in EVICTION_POLICIES), ("lru", True)])
 @pytest.mark.parametrize("coa", [False, True])
 def test_fuzz(seed, policy, lf, coa):
     rng = random.Random(seed)

@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from helpers import make_params, snapshot
 from pagedkv.core.context import Retention, TextContext
 from pagedkv.core.errors import InsufficientBlocksError
+from pagedkv.core.pool import EVICTION_POLICIES
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheParams
@@ -62,7 +63,7 @@ class ManagerMachine(RuleBasedStateMachine):
         spec=st.sampled_from([0, 0, 2]),
         algo=st.sampled_from(["sha256", "sha256_64", "xxh3_128"]),
         layout=st.sampled_from(["mha", "mha-tp2", "mla-tp2", "swa", "hybrid", "hybrid-tp2", "state", "state-tp2"]),
-        policy=st.sampled_from(["lru", "slru", "lfu", "arc"]),
+        policy=st.sampled_from(list(EVICTION_POLICIES)),  # every registered policy
         protect=st.sampled_from([0.0, 0.25, 1.0]),
         leaves=st.booleans(),
     )

@@ -18,6 +18,7 @@ from test_stateful import EXAMPLES, ManagerMachine
 from test_stateful_partial import PartialReuseMachine
 
 from pagedkv.core.context import TextContext
+from pagedkv.core.pool import EVICTION_POLICIES
 
 
 class CheckpointMachine(ManagerMachine):
@@ -32,7 +33,7 @@ class CheckpointMachine(ManagerMachine):
         spec=st.sampled_from([0, 0, 2]),
         algo=st.sampled_from(["sha256", "sha256_64", "xxh3_128"]),
         layout=st.sampled_from(["state", "state-tp2"]),
-        policy=st.sampled_from(["lru", "slru", "lfu", "arc"]),
+        policy=st.sampled_from(list(EVICTION_POLICIES)),  # every registered policy
     )
     def state_setup(self, page_size: int, num_pages: int, spec: int, algo: str, layout: str, policy: str) -> None:
         super().setup(page_size=page_size, num_pages=num_pages, caching=True, spec=spec, algo=algo, layout=layout,

@@ -10,7 +10,7 @@ import torch
 from helpers import ctx
 from pagedkv import DeviceRef, DType, KVCacheParams, MultiKVCacheParams, PagedKVCacheManager
 from pagedkv.core import events as ev
-from pagedkv.core.checkpoints import checkpoint_key
+from pagedkv.core.state.checkpoints import checkpoint_key
 from pagedkv.interface import MambaSpec
 from pagedkv.params.state import StateCacheParams
 

@@ -22,9 +22,9 @@ import numpy as np
 
 from pagedkv.bench import report
 from pagedkv.bench.timing import gc_paused, hash_ns_per_token
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.hashing import PrefixHasher
 from pagedkv.core.memory import compute_num_device_blocks
+from pagedkv.core.pool import BlockPool
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.continuous import ContinuousBatchingKVCacheManager
 from pagedkv.manager.paged import PagedKVCacheManager

@@ -28,30 +28,39 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.checks import check_manager_args, check_tables
 from pagedkv.core.context import RequestID, Retention, TextContext, as_token_array
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.events import BlockHooks
+from pagedkv.core.events import BlockHooks, BlockRemoved, EventSink
 from pagedkv.core.hashing import BlockHash, PrefixHasher, check_salt
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy, Partial, make_partial_pages
+from pagedkv.core.pool import BlockPool
 from pagedkv.core.queue_wants import QueueWants
+from pagedkv.core.state.checkpoints import RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.tables import (
     BatchTables,
     RequestPages,
     SwappedPages,
     build_tables,
+    check_batch,
     claimed_state,
     claimed_states,
     more_keys,
 )
+from pagedkv.core.tier_hits import TierGroups
 
 __all__ = ["BlockManager"]
 
 
 class BlockManager:
-    """Request page tables, prefix caching and metrics of one replica. Holds no tensors."""
+    """Request page tables, prefix caching and metrics of one replica whose caches are one full-attention
+    group (a `ReplicaBookkeeping`). Holds no tensors."""
+
+    states: StateCheckpoints | None = None  # (no recurrent state)
+    num_tables = 1
+    tiers_by_hash = True
+    tier_groups = TierGroups([0], [0], -1)
 
     def __init__(
         self,
@@ -137,11 +146,11 @@ class BlockManager:
         tokens = ctx.tokens
         # Hot path, a decode step that needs no page: one active token, every slot held.
         # (Reads TokenBuffer's fields directly: properties cost ~40% of this path.)
-        if st is not None and tokens._end - tokens._processed == 1:
-            if tokens._len + self.num_speculative_tokens <= st.num_pages * self.page_size:
+        if st is not None and tokens.end - tokens.processed == 1:
+            if tokens.length + self.num_speculative_tokens <= st.num_pages * self.page_size:
                 self._input_tokens += 1
                 return
-            if tokens._processed and not st.dummy and self._alloc_decode(st, ctx, num_scheduled_tokens):
+            if tokens.processed and not st.dummy and self._alloc_decode(st, ctx, num_scheduled_tokens):
                 return
         st = self._claimed(ctx.request_id)
         hits, need, new_keys, digest, partial = self._plan(st, ctx)
@@ -157,9 +166,8 @@ class BlockManager:
         processed = tokens.processed_length
         # the tiers below are asked exactly when the device prefix cache was (see `_plan`)
         tier_lookup = self.enable_prefix_caching and tokens.active_length > 1 and st.num_pages == st.committed
-        if self.pool.arc is not None and new_keys:  # a lookup ran: the pages it missed adapt ARC's split
-            for key in st.hashes[st.committed + len(hits) :]:
-                self.pool.arc.missed(key)
+        if new_keys:  # a lookup ran: the pages it missed may adapt the eviction policy (ARC's split)
+            self.pool.note_misses(st.hashes[st.committed + len(hits) :])
         if hits:
             self.pool.touch(hits)
             if ctx.retention is not None:
@@ -190,8 +198,8 @@ class BlockManager:
         general path's prefix lookup, partial copy and tier load, none of which applies to it. False, having
         changed nothing, when a check fails: the general path then raises its error."""
         tokens, ps, pool = ctx.tokens, self.page_size, self.pool
-        need_tokens = tokens._len + self.num_speculative_tokens
-        if tokens._processed > st.num_pages * ps or need_tokens > pool.num_blocks * ps:
+        need_tokens = tokens.length + self.num_speculative_tokens
+        if tokens.processed > st.num_pages * ps or need_tokens > pool.num_blocks * ps:
             return False
         need = -(-need_tokens // ps) - st.num_pages
         if need > pool.num_free:
@@ -281,9 +289,9 @@ class BlockManager:
                 first, st.unwritten = st.unwritten, -1
                 self._announce(st, ctx, first, st.committed)
             tokens = ctx.tokens
-            done, bound = tokens._processed, (st.committed + 1) * ps  # (hot path: fields, not properties)
-            if done >= bound and tokens._len > bound:  # min(processed, len - 1) fills another page
-                self._commit(st, ctx, min(done, tokens._len - 1) // ps)
+            done, bound = tokens.processed, (st.committed + 1) * ps  # (hot path: fields, not properties)
+            if done >= bound and tokens.length > bound:  # min(processed, len - 1) fills another page
+                self._commit(st, ctx, min(done, tokens.length - 1) // ps)
 
     def _commit(self, st: RequestPages, ctx: TextContext, n_commit: int, scheduled: bool = False) -> None:
         """Commit pages [committed, n_commit). `scheduled`: at alloc, before their KV is written: a page
@@ -325,6 +333,12 @@ class BlockManager:
             self.hooks.committed(hashes, first, n_commit, ctx.tokens.all, self.page_size)
 
     # ------------------------------------------------------------------ planning
+    def check_batch(self, batch: Sequence[TextContext]) -> None:
+        """ValueError naming the first request of `batch` that is not claimed or is there twice. No side effects."""
+        ids = {ctx.request_id for ctx in batch}
+        if len(ids) != len(batch) or not ids <= self._reqs.keys():
+            check_batch(self._reqs, batch)
+
     def check_claimed(self, request_id: RequestID) -> None:
         """ValueError unless `request_id` is claimed and not a dummy (what `alloc` and `step` need)."""
         self._claimed(request_id)
@@ -457,8 +471,8 @@ class BlockManager:
         """End the want `expect` recorded for `request_id` (no-op when there is none)."""
         self.wants.unexpect(request_id)
 
-    def get_req_blocks(self, request_id: RequestID) -> list[int]:
-        """The page ids of `request_id` in logical order (``[null]`` for a dummy)."""
+    def get_req_blocks(self, request_id: RequestID, group: int = 0) -> list[int]:
+        """The page ids of `request_id` in logical order (``[null]`` for a dummy); `group` is 0 (one table)."""
         st = self._reqs.get(request_id)
         if st is None:
             raise ValueError(f"request {request_id!r} is not claimed")
@@ -490,6 +504,24 @@ class BlockManager:
         """
         return build_tables(self._reqs, batch, self.page_size, self.num_speculative_tokens, self.pool.null_block,
                             max_cache_length)  # fmt: skip
+
+    def build_group_tables(self, batch: list[TextContext], max_cache_length: int | None = None) -> list[BatchTables]:
+        """`build_tables` as the one group's entry."""
+        return [self.build_tables(batch, max_cache_length)]
+
+    def checkpoint_cut(self, request_id: RequestID) -> int | None:
+        """None: no recurrent state, no checkpoint (ValueError unless `request_id` is claimed)."""
+        self._claimed(request_id)
+        return None
+
+    def take_state_copies(self) -> tuple[list[StateCopy | RunCopy], list[PageCopy]]:
+        """Nothing: no recurrent state."""
+        return [], []
+
+    def set_event_sink(self, emit: EventSink | None) -> None:
+        """Send KV events (pages committed and evicted) to `emit`; None stops them."""
+        self.hooks.emit = emit
+        self.pool.on_removed = None if emit is None else (lambda h, g: emit(BlockRemoved([h], "GPU", g)))
 
     # ------------------------------------------------------------------ invariants
     def check_integrity(self) -> None:

@@ -10,12 +10,12 @@ from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.errors import require as _require
+from pagedkv.core.groups import GroupManager
 from pagedkv.core.hashing import check_seed
 from pagedkv.core.hybrid_state import HybridRequest
-from pagedkv.core.managers import GroupManager
+from pagedkv.core.pool import BlockPool
 from pagedkv.core.tables import RequestPages
 from pagedkv.params.validation import INT32_MAX, check_int
 

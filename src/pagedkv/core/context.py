@@ -40,113 +40,119 @@ def _count(method: str, n: Any) -> int:
 
 
 class TokenBuffer:
-    """A growable int32 token array with a processing window (see module docstring)."""
+    """A growable int32 token array with a processing window (see module docstring).
 
-    __slots__ = ("_array", "_len", "_processed", "_end", "_prompt_length")
+    Four plain fields, read on the bookkeeping's hot paths (a field read costs a fraction of a property's):
+    `length` (tokens; ``len(tokens)``), `processed` (``processed_length``), `end` (``current_position``) and
+    `prompt_end` (``prompt_length``). Read them freely; change them only through the methods below, which
+    keep ``0 <= processed <= end <= length``.
+    """
+
+    __slots__ = ("_array", "length", "processed", "end", "prompt_end")
 
     def __init__(self, tokens: Sequence[int] | np.ndarray) -> None:
         array = as_token_array(tokens, copy=False)  # (copied into the buffer below)
         n = len(array)
         self._array = np.empty(max(16, 2 * n), dtype=np.int32)
         self._array[:n] = array
-        self._len = n
-        self._processed = 0
-        self._end = n
-        self._prompt_length = n
+        self.length = n
+        self.processed = 0
+        self.end = n
+        self.prompt_end = n
 
     def __len__(self) -> int:
-        return self._len
+        return self.length
 
     def __getitem__(self, index: int | slice) -> Any:
         return self.all[index]
 
     def __repr__(self) -> str:
-        return f"TokenBuffer(len={self._len}, processed={self._processed}, active={self.active_length})"
+        return f"TokenBuffer(len={self.length}, processed={self.processed}, active={self.active_length})"
 
     @property
     def all(self) -> np.ndarray:
         """Every token, prompt and generated: a read-only int32 view."""
-        view = self._array[: self._len]
+        view = self._array[: self.length]
         view.flags.writeable = False
         return view
 
     def le_bytes(self, start: int, stop: int) -> bytes:
         """Tokens ``[start, stop)`` as int32 little-endian bytes (what prefix hashing reads), without a view of
         every token first."""
-        if not 0 <= start <= stop <= self._len:
-            raise ValueError(f"le_bytes({start}, {stop}) needs 0 <= start <= stop <= len(tokens)={self._len}")
+        if not 0 <= start <= stop <= self.length:
+            raise ValueError(f"le_bytes({start}, {stop}) needs 0 <= start <= stop <= len(tokens)={self.length}")
         view = self._array[start:stop]
         return view.tobytes() if _NATIVE_LE else view.astype("<i4").tobytes()
 
     @property
     def active(self) -> np.ndarray:
         """The tokens of the next forward pass: ``all[processed_length:current_position]``."""
-        return self.all[self._processed : self._end]
+        return self.all[self.processed : self.end]
 
     @property
     def processed_length(self) -> int:
         """Tokens whose KV is already in the cache."""
-        return self._processed
+        return self.processed
 
     @property
     def active_length(self) -> int:
         """Tokens the next forward pass runs."""
-        return self._end - self._processed
+        return self.end - self.processed
 
     @property
     def current_position(self) -> int:
         """End of the active window."""
-        return self._end
+        return self.end
 
     @property
     def prompt_length(self) -> int:
         """Tokens given as prompt (everything, after `reset_as_new_prompt`)."""
-        return self._prompt_length
+        return self.prompt_end
 
     @property
     def generated_length(self) -> int:
         """Tokens appended by `advance_with_token`."""
-        return self._len - self._prompt_length
+        return self.length - self.prompt_end
 
     @property
     def is_chunked(self) -> bool:
         """True while the active window stops before the last token (chunked prefill)."""
-        return self._end < self._len
+        return self.end < self.length
 
     def skip_processing(self, n: int) -> None:
         """Treat the first `n` active tokens as already cached; one must stay active."""
         n = _count("skip_processing", n)
         if not 0 <= n < self.active_length:
             raise ValueError(f"skip_processing(n={n}) needs 0 <= n < active_length={self.active_length}")
-        self._processed += n
+        self.processed += n
 
     def rewind_processing(self, n: int) -> None:
         """Move `processed_length` back by `n` tokens (their KV must be recomputed)."""
         n = _count("rewind_processing", n)
-        if not 0 <= n <= self._processed:
-            raise ValueError(f"rewind_processing(n={n}) needs 0 <= n <= processed_length={self._processed}")
-        self._processed -= n
+        if not 0 <= n <= self.processed:
+            raise ValueError(f"rewind_processing(n={n}) needs 0 <= n <= processed_length={self.processed}")
+        self.processed -= n
 
     def chunk(self, n: int) -> None:
         """Shrink the active window to its first `n` tokens (chunked prefill)."""
         n = _count("chunk", n)
         if not 1 <= n < self.active_length:
             raise ValueError(f"chunk(n={n}) needs 1 <= n < active_length={self.active_length}")
-        self._end = self._processed + n
+        self.end = self.processed + n
 
     def unchunk(self) -> None:
         """Widen the active window back to every unprocessed token (undoes `chunk`)."""
-        self._end = self._len
+        self.end = self.length
 
     def advance_chunk(self) -> None:
         """Mark the current chunk processed; the rest of the tokens become active."""
-        self._processed = self._end
-        self._end = self._len
+        self.processed = self.end
+        self.end = self.length
 
     def advance_with_token(self, token: int) -> None:
         """Mark the window processed and append `token` as the new active token."""
-        n, array = self._len, self._array  # (locals: this runs once per request per decode step)
-        if self._end < n:
+        n, array = self.length, self._array  # (locals: this runs once per request per decode step)
+        if self.end < n:
             raise ValueError("advance_with_token while chunked: call advance_chunk() first")
         if type(token) is not int and (not isinstance(token, int | np.integer) or isinstance(token, bool)):
             raise TypeError(f"token={token!r} must be an int")
@@ -157,14 +163,14 @@ class TokenBuffer:
             array[:n] = self._array[:n]
             self._array = array
         array[n] = token
-        self._processed = n
-        self._len = self._end = n + 1
+        self.processed = n
+        self.length = self.end = n + 1
 
     def reset_as_new_prompt(self) -> None:
         """Forget all processing: every token (generated ones too) becomes prompt."""
-        self._processed = 0
-        self._end = self._len
-        self._prompt_length = self._len
+        self.processed = 0
+        self.end = self.length
+        self.prompt_end = self.length
 
 
 @dataclass(frozen=True)
@@ -258,10 +264,10 @@ class TextContext:
         On a chunked context the token is ignored (it was sampled mid-prompt).
         """
         tokens = self.tokens  # (fields, not properties: this runs once per request per step)
-        if tokens._end < tokens._len:
+        if tokens.end < tokens.length:
             tokens.advance_chunk()
             return
-        if self.max_length is not None and tokens._len >= self.max_length:
+        if self.max_length is not None and tokens.length >= self.max_length:
             raise ValueError(f"request {self.request_id!r} reached max_length={self.max_length}")
         tokens.advance_with_token(token)
 

@@ -15,8 +15,8 @@ step / release, atomic alloc, tail-first release) and adds, per group:
   dropped below `shared` (a hit or a merged commit) stay held outright.
 
 Recurrent state groups (`MambaManager`) take rows of a second pool that also keeps state checkpoints
-(`checkpoints.StateCheckpoints`, `state_hits`): their hits need a checkpoint exactly at the resume point. The structure is vLLM's `KVCacheCoordinator`: one `BlockPool`, one page-policy manager per group
-(`managers.GroupManager`) and every request's tables (`hybrid_state.HybridRequest`).
+(`state.checkpoints.StateCheckpoints`, `state.resume.StateResume`): their hits need a checkpoint exactly at the resume point. The structure is vLLM's `KVCacheCoordinator`: one `BlockPool`, one page-policy manager per group
+(`groups.GroupManager`) and every request's tables (`hybrid_state.HybridRequest`).
 """
 
 from __future__ import annotations
@@ -25,21 +25,21 @@ import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from pagedkv.core import hybrid_state, state_hits
-from pagedkv.core.block_pool import BlockPool
-from pagedkv.core.checkpoints import Checkpoint, RunCopy, StateCheckpoints, StateCopy
+from pagedkv.core import hybrid_state
 from pagedkv.core.checks import check_hybrid_tables, check_manager_args, check_state_args, check_swap_restore
-from pagedkv.core.context import RequestID, TextContext
+from pagedkv.core.context import RequestID, Retention, TextContext, as_token_array
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.errors import require as _require
 from pagedkv.core.events import BlockHooks, BlockRemoved, EventSink
-from pagedkv.core.hashing import BlockHash, PrefixHasher
+from pagedkv.core.groups import GroupManager, StepSpan
+from pagedkv.core.hashing import BlockHash, PrefixHasher, check_salt
 from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, SwappedGroups, find_hit
-from pagedkv.core.managers import GroupManager
 from pagedkv.core.metrics import KVCacheMetrics
 from pagedkv.core.partial_pages import PageCopy
+from pagedkv.core.pool import BlockPool
 from pagedkv.core.queue_wants import QueueWants
-from pagedkv.core.state_hits import find_state_hit, keeps, plan_fits, release_request, save_due, wanted_run
+from pagedkv.core.state.checkpoints import Checkpoint, RunCopy, StateCheckpoints, StateCopy
+from pagedkv.core.state.resume import StateResume
 from pagedkv.core.tables import (
     BatchTables,
     RequestPages,
@@ -73,9 +73,15 @@ class KVCacheCoordinator:
         num_state_rows: int = 0,
         checkpoint_pages: int = 0,
         max_state_checkpoints: int | None = None,
+        commit_on_alloc: bool = False,
+        commit_unscheduled: bool = True,
     ) -> None:
-        check_manager_args(page_size, enable_prefix_caching, num_speculative_tokens, hash_seed, evict_leaves_first)
+        check_manager_args(page_size, enable_prefix_caching, num_speculative_tokens, hash_seed, evict_leaves_first,
+                           False, commit_on_alloc)  # fmt: skip
         slots = check_state_args(groups, num_state_rows, checkpoint_pages, max_state_checkpoints)
+        if commit_on_alloc and slots:
+            raise ValueError("commit_on_alloc=True does not support models with recurrent state (their hits need a "
+                             "state checkpoint, saved by `step`)")  # fmt: skip
         self.pool = BlockPool(num_blocks, enable_prefix_caching, len(groups), eviction_policy, protected_fraction,
                               evict_leaves_first)  # fmt: skip
         self.page_size = page_size
@@ -88,22 +94,35 @@ class KVCacheCoordinator:
         self._cache_tokens = 0
         self._evictions_at_reset = 0
         self.groups = list(groups)
-        self._decoder = [g for g in self.groups if not g.reads_encoder and not g.state_slots]  # token pages
+        self._decoder = [g for g in self.groups if g.holds_tokens]  # a page per decoder token
         self._windowed = [g for g in self.groups if g.lazy]
         self._decoder_ids = [g.group for g in self._decoder]
         self._cacheable_ids = [g.group for g in self.groups if g.cacheable]
         self._state_ids = [g.group for g in self.groups if g.state_slots]
         self.states: StateCheckpoints | None = None  # state rows and checkpoints (models with recurrent state)
+        self.resume: StateResume | None = None  # where those models' requests resume, over `states`
         if slots:
             self.states = StateCheckpoints(num_state_rows, max(slots), self.pool, page_size,
                                            enabled=enable_prefix_caching, eviction_policy=eviction_policy,
                                            run_pages=checkpoint_pages, max_checkpoints=max_state_checkpoints)  # fmt: skip
-            self.states.groups = tuple(self._state_ids)
+            self.resume = StateResume(self.states, self.hasher, self.pool, self.groups, token_groups=self._decoder_ids,
+                                      state_groups=self._state_ids, caching=enable_prefix_caching)  # fmt: skip
         self.tier_link: TierLink | None = None  # the tiers below, asked at a request's first alloc (`tier_hits`)
         self.wants = QueueWants(self.pool, self.hasher)  # waiting requests told by `expect`
-        if self.states is not None and checkpoint_pages and enable_prefix_caching:  # (their checkpoints' runs too)
-            self.wants.extra = lambda ctx, keys: wanted_run(self.states, self.hasher, ctx, keys)  # type: ignore[arg-type]
+        if self.resume is not None and checkpoint_pages and enable_prefix_caching:  # (their checkpoints' runs too)
+            self.wants.extra = self.resume.wanted_run
         self.tier_groups = TierGroups(self._cacheable_ids, self._decoder_ids, (self._state_ids or [-1])[0])
+        self.num_tables = len(self.groups)
+        self.commit_on_alloc = commit_on_alloc and enable_prefix_caching  # vLLM's schedule-time caching
+        # (False: schedule-time commits only for an `alloc` told `num_scheduled_tokens`; a driver that chunks
+        # after `alloc` without saying so would otherwise share pages its step never writes)
+        self.commit_unscheduled = commit_unscheduled
+
+    @property
+    def tiers_by_hash(self) -> bool:
+        """Whether pages can go down the tiers by hash: every token group is full attention (a window group's
+        pages are dropped mid-request, so a prefix below would have holes)."""
+        return all(not g.lazy and not g.reads_encoder for g in self.groups if not g.state_slots)
 
     def claim(self, request_id: object, *, dummy: bool = False) -> None:
         """Start tracking `request_id` (no pages yet). A dummy maps to the null page only."""
@@ -122,8 +141,17 @@ class KVCacheCoordinator:
         if st is None:
             raise ValueError(f"Attempted to release request ID {request_id!r} but it is not claimed")
         del self._reqs[request_id]
-        release_request(self.states, self.hasher, self.pool, self.groups, st, request_id, self.enable_prefix_caching,
-                        self.tier_groups.decoder, self.tier_groups.state)  # fmt: skip
+        self._free(st, request_id)
+
+    def _free(self, st: HybridRequest, request_id: RequestID) -> None:
+        """Give back every page and state row `st` holds (`StateResume.release`: its last state may be kept); pages
+        committed at alloc that no step wrote leave the prefix cache first (those no other request took)."""
+        if st.unwritten >= 0:
+            self._unregister(st)
+        if self.resume is not None:
+            self.resume.release(st, request_id)
+        else:
+            hybrid_state.release_pages(self.groups, self.pool, st)
 
     # ----------------------------------------------------------------- alloc
     def alloc(self, ctx: TextContext, num_scheduled_tokens: int | None = None) -> None:
@@ -138,22 +166,25 @@ class KVCacheCoordinator:
         tokens = ctx.tokens
         if (  # hot path: a decode step that needs no page and drops none
             st is not None
-            and tokens._end - tokens._processed == 1
-            and tokens._end == tokens._len  # (a one-token prefill chunk is not a decode step)
-            and tokens._len + self.num_speculative_tokens <= st.ready
-            and tokens._processed < st.next_drop
+            and tokens.end - tokens.processed == 1
+            and tokens.end == tokens.length  # (a one-token prefill chunk is not a decode step)
+            and tokens.length + self.num_speculative_tokens <= st.ready
+            and tokens.processed < st.next_drop
         ):
             self._input_tokens += 1
             st.state_at = -1  # the forward pass moves the live state on
             return
         hst = self._claimed(ctx.request_id)
-        decoding = tokens._end - tokens._processed == 1 and tokens._end == tokens._len
-        if decoding and self._decode_step(hst, tokens._len, tokens._processed):
+        decoding = tokens.end - tokens.processed == 1 and tokens.end == tokens.length
+        if decoding and self._decode_step(hst, tokens.length, tokens.processed):
+            if self.commit_on_alloc:
+                self._commit_scheduled(hst, ctx, num_scheduled_tokens)
             return
-        first = self.tier_link is not None and tokens._processed == 0 and not hst.num_pages
+        first = self.tier_link is not None and tokens.processed == 0 and not hst.num_pages
         plan = self._plan_alloc(hst, ctx, num_scheduled_tokens)
         if plan.checkpoint is not None:  # the hit's row or tail page may be what is short: adopt or compute
-            fit = plan_fits(self.states, plan, sum(plan.new) - self._available(hst, plan))
+            assert self.resume is not None
+            fit = self.resume.plan_fits(plan, sum(plan.new) - self._available(hst, plan))
             plan = dataclasses.replace(plan, adopt=True) if fit == "adopt" else plan
             plan = plan if fit else self._plan_alloc(hst, ctx, num_scheduled_tokens, checkpoints=False)
         if plan.rows:
@@ -162,7 +193,7 @@ class KVCacheCoordinator:
         need = sum(plan.new)
         if need:
             available = self._available(hst, plan)
-            if need > available and self.states is not None and self.states.reclaim(need - available, *keeps(plan)):
+            if need > available and self.resume is not None and self.resume.reclaim(plan, need - available):
                 available = self._available(hst, plan)  # checkpoints gave their tails' pages back
             if need > available:
                 used, total = self.pool.num_used, self.pool.num_blocks
@@ -171,10 +202,34 @@ class KVCacheCoordinator:
         if first and self.enable_prefix_caching and tokens.active_length > 1:
             self._from_tiers(hst, ctx)
         self.wants.unexpect(ctx.request_id)  # admitted: it holds what it hits, so its want (if any) ends
+        if self.commit_on_alloc:
+            self._commit_scheduled(hst, ctx, num_scheduled_tokens)
+
+    def _commit_scheduled(self, st: HybridRequest, ctx: TextContext, num_scheduled_tokens: int | None) -> None:
+        """vLLM's schedule-time caching: commit the full pages this step's chunk will write, so requests admitted
+        after this one in the same step hit them (`step` announces them once written)."""
+        if num_scheduled_tokens is None and not self.commit_unscheduled:
+            return
+        tokens = ctx.tokens
+        run = tokens.end - tokens.processed
+        run = run if num_scheduled_tokens is None else min(num_scheduled_tokens, run)
+        n = min(tokens.processed + run, tokens.length - 1) // self.page_size
+        if n > st.committed:
+            self._commit_groups(st, ctx, n, scheduled=True)
+
+    def _unregister(self, st: HybridRequest) -> None:
+        """Uncache the pages committed at alloc that no step wrote (those no other request took)."""
+        pool, null = self.pool, self.pool.null_block
+        for g in self._cacheable_ids:
+            table = st.tables[g]
+            for page in table.pages[st.unwritten : min(st.committed, table.num_pages)].tolist():
+                if page != null and pool.ref_count(page) == 1:
+                    pool.forget(page)
+        st.unwritten = -1
 
     def restart_holders(self, pages: Iterable[int], rows: Iterable[int] = ()) -> list[RequestID]:
-        """`state_hits.restart_holders` on this coordinator's requests (after tier loads whose copy failed)."""
-        return state_hits.restart_holders(self._reqs, set(pages), set(rows), self)
+        """`hybrid_state.restart_holders` on this coordinator's requests (after tier loads whose copy failed)."""
+        return hybrid_state.restart_holders(self._reqs, self.groups, set(pages), set(rows), self._free)
 
     def _from_tiers(self, st: HybridRequest, ctx: TextContext) -> None:
         """A first alloc's hit extended from the tiers (`tier_hit`): loaded pages committed, tokens skipped."""
@@ -232,37 +287,25 @@ class KVCacheCoordinator:
                     # the attention pages' hit: where a cached prefix diverges from this one (a model of state
                     # layers only has no page to tell where: it saves at prompt ends and releases only)
                     cut = hit * ps if self._cacheable_ids else -1
-                    root = self.hasher.root(ctx.cache_salt)
                     if checkpoints:
-                        checkpoint, hit, hit_pages, pins = find_state_hit(states, self.groups, self.pool, st, ctx,
-                                                                          keys, stop, root)  # fmt: skip
+                        assert self.resume is not None
+                        checkpoint, hit, hit_pages, pins = self.resume.find(st, ctx, keys, stop)
                     else:  # (attention pages alone are no hit: the state must be computed from the start)
                         hit, hit_pages, pins = st.committed, [[] for _ in self.groups], []
         tail = 0 if checkpoint is None else len(checkpoint.tail)
         processed = max(tokens.processed_length, hit * ps + tail)
         if cut <= processed or cut >= len(tokens):
             cut = -1
-        last = tokens._prompt_length - 1 if fresh and self.enable_prefix_caching else -1  # (a prompt-end cut: a hit
+        last = tokens.prompt_end - 1 if fresh and self.enable_prefix_caching else -1  # (a prompt-end cut: a hit
         last = last if last > processed else -1  # leaves the last token to compute, so it resumes before it)
+        end = tokens.current_position if scheduled is None else min(tokens.current_position, processed + scheduled)
+        span = StepSpan(processed, end, len(tokens), spec, ctx.encoder_length)
+        floor = max(st.shared, hit if hit > st.committed else 0)  # shared pages stay
         drops, new = [], []
         for g, gm in enumerate(self.groups):
             have = st.tables[g].num_pages + len(hit_pages[g])
-            if gm.state_slots:  # rows of the state pool (`StateCheckpoints`), counted in `rows` below
-                drops.append((0, 0))
-                new.append(0)
-                continue
-            if gm.reads_encoder:
-                drops.append((0, 0))
-                new.append(required_pages(ctx.encoder_length, ps) if have == 0 else 0)
-                continue
-            if not gm.lazy:  # full attention: every page stays
-                drops.append((0, 0))
-                new.append(max(0, required_pages(len(tokens) + spec, ps) - have))
-                continue
-            keep = max(st.dropped[g], st.shared, hit if hit > st.committed else 0)  # shared pages stay
-            drops.append((keep, max(st.dropped[g], keep, min(gm.droppable_pages(processed), have))))
-            end = tokens.current_position if scheduled is None else min(tokens.current_position, processed + scheduled)
-            new.append(max(0, required_pages(end + spec, ps) - have))
+            drops.append(gm.drop_range(st.dropped[g], floor, processed, have))
+            new.append(gm.pages_to_add(have, span))
         rows = states.slots if fresh and states is not None else 0
         return Plan(hit, hit_pages, new_keys, digest, drops, new, pins, checkpoint, rows, cut, end=last)
 
@@ -272,24 +315,25 @@ class KVCacheCoordinator:
 
     def _apply(self, st: HybridRequest, ctx: TextContext, plan: Plan) -> None:
         tokens, ps, null = ctx.tokens, self.page_size, self.pool.null_block
-        if plan.new_keys:
+        if plan.new_keys:  # a lookup ran: the pages it missed adapt the policy (ARC's split)
             st.hashes.extend(plan.new_keys)
             st.digest = plan.digest
+            self.pool.note_misses(st.hashes[max(plan.hit, st.committed) :])
         processed = tokens.processed_length
         hit, st.context = plan.checkpoint, ctx  # (the context a failed tier load rewinds: `restart_holders`)
         if plan.hit > st.committed:
             for g, pages in enumerate(plan.hit_pages):
                 self.pool.touch(p for p in pages if p != null)
+                if ctx.retention is not None:
+                    self.pool.retain([p for p in pages if p != null], ctx.retention.priority,
+                                     ctx.retention.duration_s)  # fmt: skip
                 st.tables[g].append(pages)
             st.pinned.extend(self.pool.pin(plan.pins, reused=True))
             st.committed = plan.hit
             st.shared = max(st.shared, plan.hit)
         if plan.rows:  # the live and draft state rows (a hit's checkpoint held first: no eviction takes it)
-            assert self.states is not None
-            st.root = self.hasher.root(ctx.cache_salt)  # (the weights version its state is computed under)
-            rows = self.states.take_rows(plan.rows, hit, plan.adopt)
-            for g in self._state_ids:
-                st.tables[g].append(rows)
+            assert self.resume is not None
+            self.resume.take_rows(st, ctx, plan)
         skip = plan.hit * ps + (0 if hit is None else len(hit.tail)) - processed
         if skip > 0:
             tokens.skip_processing(skip)
@@ -315,10 +359,8 @@ class KVCacheCoordinator:
             if n:
                 st.tables[g].append(self._take(st, n))
         if hit is not None:  # state row -> live row; the tail's slots -> this request's page `plan.hit`
-            assert self.states is not None
-            tails = [int(st.tables[g].pages[plan.hit]) for g in self._decoder_ids] if len(hit.tail) else []
-            self.states.restore(ctx.request_id, hit, int(st.tables[self._state_ids[0]].pages[0]), tails, plan.adopt)
-            st.superseded.append(hit)
+            assert self.resume is not None
+            self.resume.restore(st, ctx.request_id, plan)
         self._refresh(st)
 
     def _refresh(self, st: HybridRequest) -> None:
@@ -417,8 +459,7 @@ class KVCacheCoordinator:
         null, freed = self.pool.null_block, list[int]()
         for gm in self._windowed:
             g, table = gm.group, st.tables[gm.group]
-            keep = max(st.dropped[g], st.shared)
-            hi = max(keep, min(gm.droppable_pages(processed), table.num_pages))
+            keep, hi = gm.drop_range(st.dropped[g], st.shared, processed, table.num_pages)
             end = min(hi, table.num_pages)
             freed.extend(p for p in table.pages[keep:end].tolist() if p != null)
             table.pages[keep:end] = null
@@ -440,34 +481,52 @@ class KVCacheCoordinator:
         for ctx, st in zip(batch, states, strict=True):
             if not caching or st.dummy:
                 continue
+            if st.unwritten >= 0:  # pages committed at alloc are written now: announce them
+                first, st.unwritten = st.unwritten, -1
+                self._announce(st, ctx, first, st.committed)
             tokens = ctx.tokens
-            n_commit = min(tokens._processed, tokens._len - 1) // ps
+            n_commit = min(tokens.processed, tokens.length - 1) // ps
             if n_commit > st.committed:
                 self._commit_groups(st, ctx, n_commit)
-            if self.states is not None and st.tables[self._state_ids[0]].num_pages:
-                st.ctx, st.state_at = ctx, tokens._processed  # the step's forward pass left the live state there
-                if st.cut > 0 or st.end > 0:  # a checkpoint is due (a decode step has none)
-                    save_due(self.states, self.hasher, st, ctx, self._decoder_ids, self._state_ids[0])
+            if self.resume is not None:
+                self.resume.stepped(st, ctx)
 
-    def _commit_groups(self, st: HybridRequest, ctx: TextContext, n_commit: int) -> None:
+    def _commit_groups(self, st: HybridRequest, ctx: TextContext, n_commit: int, scheduled: bool = False) -> None:
+        """Commit pages [committed, n_commit) of every group. `scheduled`: at alloc, before their KV is written:
+        the run stops before the first page whose hash another page holds (no merge), and `step` announces."""
         if n_commit > len(st.hashes):
             keys, st.digest = more_keys(self.hasher, st, ctx, n_commit)
             st.hashes.extend(keys)
-        null, commit, lo = self.pool.null_block, self.pool.commit, st.committed
-        if self.hooks.emit is not None or self.hooks.offloads is not None:
-            for g in self._cacheable_ids:
-                self.hooks.committed(st.hashes, lo, n_commit, ctx.tokens.all, self.page_size, g, self.groups[g].kind)
-        for g in self._cacheable_ids:
-            table = st.tables[g]
-            hi = min(n_commit, table.num_pages)
-            pages = [int(table.pages[lo])] if hi == lo + 1 else table.pages[lo:hi].tolist()
-            for i, page in enumerate(pages, lo):
-                if page != null:
-                    used = commit(page, st.hashes[i], g)
-                    if used != page:  # merged into a cached copy: this prefix is shared
-                        st.shared = max(st.shared, i + 1)
-                        table.pages[i] = used
+        lo, pool, hashes = st.committed, self.pool, st.hashes
+        if scheduled:
+            n_commit = self._uncached_run(st, lo, n_commit)
+            if n_commit <= lo:
+                return
+        for gm in self.groups:
+            st.shared = max(st.shared, gm.commit(pool, st.tables[gm.group], hashes, lo, n_commit, ctx.retention))
         st.committed = n_commit
+        if scheduled:
+            st.unwritten = lo if st.unwritten < 0 else st.unwritten
+        else:
+            self._announce(st, ctx, lo, n_commit)
+
+    def _uncached_run(self, st: HybridRequest, lo: int, hi: int) -> int:
+        """The end of the run [lo, hi) before the first index whose hash another page caches in some group."""
+        cached, null = self.pool.cached_page, self.pool.null_block
+        for i in range(lo, hi):
+            for g in self._cacheable_ids:
+                table = st.tables[g]
+                page = int(table.pages[i]) if i < table.num_pages else null
+                held = cached(st.hashes[i], g)
+                if held is not None and held != page:
+                    return i
+        return hi
+
+    def _announce(self, st: HybridRequest, ctx: TextContext, lo: int, hi: int) -> None:
+        """Tell the tiers and the event listeners about written pages [lo, hi) of every cacheable group."""
+        if hi > lo and (self.hooks.emit is not None or self.hooks.offloads is not None):
+            for g in self._cacheable_ids:
+                self.hooks.committed(st.hashes, lo, hi, ctx.tokens.all, self.page_size, g, self.groups[g].kind)
 
     # ----------------------------------------------------------------- swap preemption
     # As `BlockManager`'s: the caller copies the pages out, releases, later restores, copies the bytes back
@@ -577,10 +636,37 @@ class KVCacheCoordinator:
         if self.states is not None:
             self.states.emit = emit
 
+    def take_page_copies(self) -> list[PageCopy]:
+        """Nothing: partial-page reuse is not offered for several groups."""
+        return []
+
+    def pin_prefix(self, tokens: object, retention: Retention, cache_salt: str | None = None) -> int:
+        """Give the cached pages of the page-aligned prefix of `tokens` (as `cache_salt`'s chain) the priority
+        of `retention` in every cacheable group (SGLang's pinned prefixes; priority 35 unpins): the pages of
+        the longest prefix every group can resume from (`find_hit`), and the cached pages before a window
+        group's window (shorter prefixes need them). Returns the pages of that prefix (positions, not pages
+        per group). State checkpoints keep their own order (not pinned)."""
+        array = as_token_array(tokens)
+        check_salt(cache_salt)
+        n = len(array) // self.page_size
+        keys, _ = self.hasher.extend(array, 0, n, self.hasher.root(cache_salt)) if n else ([], b"")
+        blank = HybridRequest([RequestPages() for _ in self.groups], [0] * len(self.groups))
+        hit, entries, pins = find_hit(self.groups, self.pool, blank, keys, n)
+        null = self.pool.null_block
+        pages = [p for row in entries for p in row if p != null]
+        self.pool.set_priority([*pages, *pins], retention.priority, retention.duration_s)
+        return hit
+
     def take_state_copies(self) -> tuple[list[StateCopy | RunCopy], list[PageCopy]]:
         """Pending data moves of state checkpoints, in order (saves, restores' rows and tail slots); the
         owner of the buffers runs them before the next forward pass (`StateCheckpoints.take`)."""
         return self.states.take() if self.states is not None else ([], [])
+
+    def check_batch(self, batch: Sequence[TextContext]) -> None:
+        """ValueError naming the first request of `batch` that is not claimed or is there twice. No side effects."""
+        ids = {ctx.request_id for ctx in batch}
+        if len(ids) != len(batch) or not ids <= self._reqs.keys():
+            check_batch(self._reqs, batch)
 
     def check_claimed(self, request_id: RequestID) -> None:
         """ValueError unless `request_id` is claimed and not a dummy (what `alloc` and `step` need)."""
@@ -594,7 +680,5 @@ class KVCacheCoordinator:
         """Raise `IntegrityError` unless pool, prefix caches and every group's tables agree."""
         extra = self.states.tail_refs() if self.states is not None else Counter[int]()
         check_hybrid_tables(self.pool, self.groups, self._reqs, self.enable_prefix_caching, extra)
-        if self.states is not None:
-            live = Counter(p for st in self._reqs.values() for g in self._state_ids[:1]
-                           for p in st.tables[g].pages[: st.tables[g].num_pages].tolist())  # fmt: skip
-            self.states.check(live)
+        if self.resume is not None:
+            self.resume.check(self._reqs.values())

@@ -1,4 +1,5 @@
-"""Per-request state of `KVCacheCoordinator` and the prefix-hit search over its groups (pure Python)."""
+"""Per-request state of `KVCacheCoordinator`, the prefix-hit search over its groups and the giving back of a
+request's pages (`release_pages`, `restart_holders`) (pure Python)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.context import TextContext
+from pagedkv.core.groups import FAR, GroupManager
 from pagedkv.core.hashing import BlockHash
-from pagedkv.core.managers import GroupManager
+from pagedkv.core.pool import BlockPool
 from pagedkv.core.tables import BatchTables, RequestPages, assemble_tables, required_pages
 
 __all__ = [
-    "FAR", "HybridRequest", "Plan", "SwappedGroups", "find_hit", "group_tables", "prefix_misses", "release_order", "restore_request",
-    "snapshot_request",
+    "FAR", "HybridRequest", "Plan", "SwappedGroups", "find_hit", "group_tables", "prefix_misses", "release_order",
+    "release_pages", "restart_holders", "restore_request", "snapshot_request",
 ]  # fmt: skip
-
-FAR = 1 << 62  # a token position no request reaches
 
 
 @dataclass(slots=True, eq=False)
@@ -42,6 +41,7 @@ class HybridRequest:
     superseded: list[Any] = field(default_factory=list)  # its prompt-end checkpoint, the one it resumed from
     root: bytes = b""  # the hash chain's root when its state rows were taken (a weights update changes it)
     context: Any = None  # the context its last `alloc` was given (a failed tier load rewinds it: `restart_holders`)
+    unwritten: int = -1  # first page committed at alloc whose KV no step has written yet (-1: none)
 
     @property
     def num_pages(self) -> int:
@@ -146,6 +146,44 @@ def release_order(groups: Sequence[GroupManager], pool: BlockPool, st: HybridReq
                     pages.append(page)
                     held.append(False)
     return pages, held
+
+
+def release_pages(groups: Sequence[GroupManager], pool: BlockPool, st: HybridRequest) -> list[int]:
+    """Give back every attention page `st` holds: its pins, then its pages in `release_order` (returned, in
+    that order). Its tables and state rows are left as they are (the caller forgets or replaces `st`)."""
+    pool.unpin(st.pinned)
+    pages, held = release_order(groups, pool, st)
+    pool.release(pages, held)
+    return pages
+
+
+def restart_holders(
+    reqs: dict[Any, HybridRequest], groups: Sequence[GroupManager], pages: set[int], rows: set[int],
+    release: Callable[[HybridRequest, Any], None],
+) -> list[Any]:  # fmt: skip
+    """After tier loads whose device copy failed (into `pages`, already out of the prefix cache, or checkpoint
+    images into live state `rows`): every request of `reqs` (a coordinator's, over `groups`) that holds one of
+    them in a token group, or resumes in one of those rows, gives back all it holds (`release(st, request_id)`;
+    its live state is not what it claims, so ``st.state_at`` is cleared first: no checkpoint is kept of it) and
+    stays claimed in `reqs`, holding nothing, its context (the one its last alloc served) back at the first
+    token: table and context are consistent at once, and its next `alloc` looks its prefix up again (device,
+    tiers) as at admission. Returns the requests restarted."""
+    state_groups = [g.group for g in groups if g.state_slots]
+    restarted = []
+    for rid, st in list(reqs.items()):
+        held = [t.pages[: t.num_pages].tolist() for t in st.tables]
+        if not any(rows.intersection(held[g][:1]) if g in state_groups else pages.intersection(held[g])
+                   for g in range(len(held))):  # fmt: skip
+            continue
+        st.state_at = -1
+        release(st, rid)
+        reqs[rid] = HybridRequest([RequestPages() for _ in groups], [g.kept_pages() for g in groups],
+                                  dummy=st.dummy, context=st.context)  # fmt: skip
+        if st.context is not None:
+            st.context.tokens.rewind_processing(st.context.tokens.processed_length)
+            st.context.cached_prefix_length = 0
+        restarted.append(rid)
+    return restarted
 
 
 def find_hit(

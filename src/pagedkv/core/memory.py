@@ -21,7 +21,7 @@ import logging
 import math
 
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.managers import FullAttentionManager, MLAAttentionManager, manager_for
+from pagedkv.core.groups import FullAttentionManager, MLAAttentionManager, manager_for
 from pagedkv.params.kv import KVCacheParams, KVConnectorType
 from pagedkv.params.multi import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.params.validation import check_int

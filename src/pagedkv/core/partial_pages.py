@@ -40,7 +40,7 @@ from pagedkv.core.hashing import BlockHash
 from pagedkv.core.tables import RequestPages
 
 if TYPE_CHECKING:  # pragma: no cover
-    from pagedkv.core.block_pool import BlockPool
+    from pagedkv.core.pool import BlockPool
 
 __all__ = ["ChildIndex", "PageCopy", "Partial", "PartialPages", "make_partial_pages"]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.context import RequestID, TextContext
 from pagedkv.core.hashing import BlockHash, PrefixHasher
+from pagedkv.core.pool import BlockPool
 from pagedkv.core.tables import RequestPages, more_keys
 
 __all__ = ["QueueWants"]

@@ -29,10 +29,10 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from pagedkv.core.checkpoints import checkpoint_key
 from pagedkv.core.context import TextContext
 from pagedkv.core.hashing import BlockHash, PrefixHasher
 from pagedkv.core.hybrid_state import HybridRequest
+from pagedkv.core.state.checkpoints import checkpoint_key
 from pagedkv.core.tables import more_keys
 
 __all__ = ["RECENT_PAGES", "TierGroups", "TierLink", "tier_hit"]

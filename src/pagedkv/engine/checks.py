@@ -15,8 +15,8 @@ import torch
 
 from pagedkv.core.context import as_token_array
 from pagedkv.core.errors import InsufficientBlocksError
+from pagedkv.core.groups import manager_for, min_request_pages
 from pagedkv.core.hashing import check_salt
-from pagedkv.core.managers import manager_for, min_request_pages
 from pagedkv.dtype import DType
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.hf.mixers import adapter_for
@@ -60,7 +60,7 @@ def check_request(
 
 def check_fits(manager: PagedKVCacheManager, prompt_length: int, max_new_tokens: int) -> None:
     """InsufficientBlocksError unless a request of `prompt_length` tokens generating `max_new_tokens`
-    fits the whole pool alone: `pagedkv.core.managers.min_request_pages` over the manager's groups
+    fits the whole pool alone: `pagedkv.core.groups.min_request_pages` over the manager's groups
     (full groups: every token; window groups: the peak of one step)."""
     params = manager.params
     spec = params.num_eagle_speculative_tokens

@@ -18,7 +18,7 @@ Recurrent mixers (`pagedkv.hf.mixers`) give state layers: each gets a `MambaSpec
 from its mixer, the state groups (`StateCacheParams`) come after the attention
 groups, and `state_map[i]` says which state group and slot layer i uses. The
 attention page keeps `page_size`: state lives in rows of its own
-(`pagedkv.core.checkpoints`), so, unlike vLLM's hybrid allocator
+(`pagedkv.core.state.checkpoints`), so, unlike vLLM's hybrid allocator
 (`pagedkv.interface.unify_state_block_size`), no page grows to a state's size.
 """
 

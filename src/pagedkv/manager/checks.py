@@ -7,12 +7,9 @@ the limit; capacity stays `InsufficientBlocksError`, raised by the bookkeeping i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter
 from typing import Any
 
 from pagedkv.core.context import TextContext, check_request_id
-from pagedkv.core.coordinator import KVCacheCoordinator
-from pagedkv.core.tables import check_batch
 from pagedkv.manager import hybrid
 from pagedkv.params.kv import BatchCharacteristics, KVCacheParams
 from pagedkv.params.multi import MultiKVCacheParams
@@ -128,9 +125,6 @@ def check_batches(batches: Any, num_replicas: int) -> None:
                 check_context(ctx, f"batches[{r}] item")
 
 
-_REQUEST_ID = attrgetter("request_id")
-
-
 def check_step(managers: Sequence[Any], batches: Any) -> None:
     """`step`: every replica's batch holds claimed requests, none twice (checked before any commit).
 
@@ -141,14 +135,12 @@ def check_step(managers: Sequence[Any], batches: Any) -> None:
     for bm, batch in zip(managers, batches, strict=True):
         if type(batch) is not list or (batch and set(map(type, batch)) != {TextContext}):
             check_batches(batches, len(managers))  # the slow walk: raises unless a tuple of contexts
-        ids = set(map(_REQUEST_ID, batch))
-        if len(ids) != len(batch) or not ids <= bm._reqs.keys():
-            check_batch(bm._reqs, batch)  # raises: unknown or repeated request
+        bm.check_batch(batch)  # raises: unknown or repeated request
 
 
 def check_group(bm: Any, group: Any) -> None:
     """`get_req_blocks`: `group` indexes the model's page tables."""
-    groups = len(bm.groups) if isinstance(bm, KVCacheCoordinator) else 1
+    groups = bm.num_tables
     if not isinstance(group, int) or isinstance(group, bool):
         raise TypeError(f"group={group!r} must be an int")
     if not 0 <= group < groups:

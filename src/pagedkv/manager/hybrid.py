@@ -6,7 +6,7 @@ every cache (a child of a flat `MultiKVCacheParams`, or the single
 `KVCacheParams`) is a group with its own page table, the attention groups
 draw page ids from one pool (`KVCacheCoordinator`) and their buffers alias
 one arena per device; state groups share rows of a state pool and arena
-(live slots and checkpoints, `core.checkpoints`).
+(live slots and checkpoints, `core.state.checkpoints`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import torch
 from pagedkv.core import memory
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.coordinator import KVCacheCoordinator
-from pagedkv.core.managers import manager_for
+from pagedkv.core.groups import manager_for
 from pagedkv.core.memory import is_hybrid
+from pagedkv.core.replica import ReplicaBookkeeping
 from pagedkv.core.tables import BatchTables
 from pagedkv.params.kv import KVCacheParams
 from pagedkv.params.multi import KVCacheParamInterface, MultiKVCacheParams
@@ -29,19 +30,13 @@ from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCa
 from pagedkv.runtime.state_buffers import StateCacheBuffer
 from pagedkv.runtime.transfer import tables_to_device
 
-ReplicaBookkeeping = BlockManager | KVCacheCoordinator
-"""One data-parallel replica's bookkeeping: a `BlockManager` (every cache full attention) or a
-`KVCacheCoordinator` (several groups); both have the same request lifecycle."""
-
 __all__ = [
-    "ReplicaBookkeeping",
     "commits_on_alloc",
     "is_hybrid",
     "group_names",
     "make_block_manager",
     "allocate_buffers",
     "hybrid_inputs",
-    "replica_tables",
 ]
 
 
@@ -56,12 +51,10 @@ def group_names(params: KVCacheParamInterface) -> list[str]:
 
 def commits_on_alloc(params: KVCacheParamInterface) -> bool:
     """Whether pages become hittable at `alloc` (schedule-time caching): `commit_on_alloc` when set, else on
-    with prefix caching for a model of one KV cache group without partial-page reuse (off for hybrid models,
-    which do not support it; partial-page reuse with it is an explicit choice, see docs/CACHE.md)."""
-    if is_hybrid(params):
-        return False
+    with prefix caching for a model of one KV cache group without partial-page reuse (off by default for a
+    model of several groups; True turns it on for one without recurrent state, see docs/CACHE.md)."""
     if params.commit_on_alloc is None:
-        return params.enable_prefix_caching and not params.enable_partial_page_reuse
+        return not is_hybrid(params) and params.enable_prefix_caching and not params.enable_partial_page_reuse
     return bool(params.commit_on_alloc)
 
 
@@ -72,8 +65,8 @@ def make_block_manager(
     caches get `memory.num_state_rows(params, max_batch_size)` state rows; their checkpoints take runs of
     `memory.checkpoint_pages(params)` attention pages, at most `memory.run_checkpoint_cap`).
 
-    ValueError for ``enable_partial_page_reuse`` or ``commit_on_alloc`` on a hybrid model (the coordinator
-    does not support them)."""
+    ValueError for ``enable_partial_page_reuse`` on a hybrid model, and for ``commit_on_alloc`` on a model with
+    recurrent state (the coordinator does not support them)."""
     kwargs: dict[str, Any] = dict(
         enable_prefix_caching=params.enable_prefix_caching, hash_algo=params.kv_hash_algo,
         hash_seed=params.kv_hash_seed, num_speculative_tokens=params.num_eagle_speculative_tokens,
@@ -86,16 +79,17 @@ def make_block_manager(
                           commit_unscheduled=params.commit_on_alloc is True, **kwargs)  # fmt: skip
         bm.hasher.set_version(params.weights_version)
         return bm
-    for flag in ("enable_partial_page_reuse", "commit_on_alloc"):
-        if getattr(params, flag) is True:
-            raise ValueError(f"{flag}=True does not support hybrid models (several KV cache groups: "
-                             "sliding window, chunked, sinks or cross-attention caches)")  # fmt: skip
+    if params.enable_partial_page_reuse is True:
+        raise ValueError("enable_partial_page_reuse=True does not support hybrid models (several KV cache groups: "
+                         "sliding window, chunked, sinks or cross-attention caches)")  # fmt: skip
     group_names(params)  # validates the shape of the tree
     groups = [manager_for(g, leaf.kv_cache_spec) for g, leaf in enumerate(params.leaves())]
     rows, run = memory.num_state_rows(params, max_batch_size), memory.checkpoint_pages(params)
     cap = memory.run_checkpoint_cap(params, max_batch_size) if run else None
     coordinator = KVCacheCoordinator(total_num_pages, params.page_size, groups, num_state_rows=rows,
-                                     checkpoint_pages=run, max_state_checkpoints=cap, **kwargs)  # fmt: skip
+                                     checkpoint_pages=run, max_state_checkpoints=cap,
+                                     commit_on_alloc=commits_on_alloc(params),
+                                     commit_unscheduled=params.commit_on_alloc is True, **kwargs)  # fmt: skip
     coordinator.hasher.set_version(params.weights_version)
     return coordinator
 
@@ -144,10 +138,3 @@ def hybrid_inputs(
 
 def _leaf_buffer(buffer: Any, name: str, single: bool) -> Any:
     return buffer if single else buffer.children[name]
-
-
-def replica_tables(bm: ReplicaBookkeeping, batch: list[Any], max_cache_length: int | None) -> list[BatchTables]:
-    """The group tables of a replica's batch (one entry for a plain `BlockManager`)."""
-    if isinstance(bm, KVCacheCoordinator):
-        return bm.build_group_tables(batch, max_cache_length)
-    return [bm.build_tables(batch, max_cache_length)]

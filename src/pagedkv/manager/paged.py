@@ -23,18 +23,16 @@ from typing import Any
 import torch
 
 from pagedkv.core import memory
-from pagedkv.core.block_manager import BlockManager
-from pagedkv.core.checkpoints import RunCopy
 from pagedkv.core.context import RequestID, Retention, TextContext
-from pagedkv.core.coordinator import KVCacheCoordinator
 from pagedkv.core.events import KVEventBatch
 from pagedkv.core.metrics import KVCacheMetrics
+from pagedkv.core.replica import ReplicaBookkeeping
+from pagedkv.core.state.checkpoints import RunCopy
 from pagedkv.core.tables import BatchTables
 from pagedkv.dtype import DeviceRef
 from pagedkv.interface.config import KVCacheConfig
 from pagedkv.manager import checks, hybrid
 from pagedkv.manager.base import check_redundant_args
-from pagedkv.manager.hybrid import ReplicaBookkeeping
 from pagedkv.manager.swap import SwappedRequests
 from pagedkv.manager.tiering import Tiering
 from pagedkv.ops.page_copy import copy_page_slots
@@ -190,13 +188,18 @@ class PagedKVCacheManager:
     def step(self, batches: Sequence[Sequence[TextContext]]) -> None:
         """Commit the pages each request has written since the last step (one batch per replica)."""
         checks.check_step(self._managers, batches)  # every replica's batch, before any commit
-        self.tiers.before_step()
+        tiers = self.tiers if self.tiers.active else None  # (no tier, no listener: no tier call at all)
+        if tiers is not None:
+            tiers.before_step()
         for r, (bm, batch) in enumerate(zip(self._managers, batches, strict=True)):
             bm.step_batch(batch)
-            self._apply_state_copies(r)  # checkpoints of this step's states, before the next forward moves them
-            self._checked(bm)
-        self.tiers.push_states()  # (down the tiers before the next alloc may evict them)
-        self.tiers.after_step()
+            if self.num_state_rows:
+                self._apply_state_copies(r)  # checkpoints of this step's states, before the next forward moves them
+            if self.enable_runtime_checks:
+                bm.check_integrity()
+        if tiers is not None:
+            tiers.push_states()  # (down the tiers before the next alloc may evict them)
+            tiers.after_step()
 
     def release(self, request_id: RequestID, replica_idx: int = 0) -> None:
         """Forget `request_id` and free its pages (tail first; cached pages stay hittable)."""
@@ -241,11 +244,9 @@ class PagedKVCacheManager:
     def pin_prefix(self, tokens: Sequence[int], priority: int = 100, duration_s: float | None = None, *,
                    cache_salt: str | None = None, replica_idx: int = 0) -> int:  # fmt: skip
         """Give the cached pages of the page-aligned prefix of `tokens` retention `priority` (0..100; 35 is
-        the default, so 35 unpins) for `duration_s` seconds (None: while cached). Returns pages found."""
-        bm = self._bm(replica_idx)
-        if isinstance(bm, KVCacheCoordinator):
-            raise ValueError("pin_prefix needs a single-group model; this manager has several KV cache groups")
-        return bm.pin_prefix(tokens, Retention(priority, duration_s), cache_salt)
+        the default, so 35 unpins) for `duration_s` seconds (None: while cached), in every KV cache group.
+        Returns the pages of the prefix found (for several groups: of the longest prefix each group resumes)."""
+        return self._bm(replica_idx).pin_prefix(tokens, Retention(priority, duration_s), cache_salt)
 
     def reset_prefix_cache(self) -> None:
         """Forget every evictable cached page on every replica (pages in use keep theirs), and every
@@ -293,14 +294,14 @@ class PagedKVCacheManager:
             if max_cache_length is None:
                 max_cache_length = batch_characteristics.max_cache_valid_length
         bounds = batch_characteristics
-        if self.hybrid:
-            for r in range(self.num_replicas):  # restored checkpoints land before the forward reads them
-                self._apply_state_copies(r)  # (then the tiers' loads, which may replace what they restored)
-        self.tiers.before_forward()
+        for r in range(self.num_replicas if self.num_state_rows else 0):  # restored checkpoints land before the
+            self._apply_state_copies(r)  # forward reads them (then the tiers' loads, which may replace them)
+        if self.tiers.active:
+            self.tiers.before_forward()
         if self.hybrid:
             pairs = zip(self._managers, batches, strict=True)
             tables = [
-                [_bounded(t, bounds) for t in hybrid.replica_tables(bm, list(batch), max_cache_length)]
+                [_bounded(t, bounds) for t in bm.build_group_tables(list(batch), max_cache_length)]
                 for bm, batch in pairs
             ]
             return hybrid.hybrid_inputs(self.params, self._buffers, tables)
@@ -318,7 +319,7 @@ class PagedKVCacheManager:
         land before the forward pass that reads them. Returns how many copies ran."""
         done = 0
         for bm, buffer in zip(self._managers, self._buffers, strict=True):
-            copies = bm.take_page_copies() if isinstance(bm, BlockManager) else []
+            copies = bm.take_page_copies()
             for tensor in buffer.all_buffers if copies else ():
                 copy_page_slots(tensor, copies)
             done += len(copies)
@@ -329,7 +330,7 @@ class PagedKVCacheManager:
         whole state rows, or rows and runs of attention pages (`ops.state_runs`), on every shard; then the
         attention tail slots of restored checkpoints in every attention group's buffers. Returns how many."""
         bm, buffer = self._managers[r], self._buffers[r]
-        if not isinstance(bm, KVCacheCoordinator) or bm.states is None:
+        if bm.states is None:
             return 0
         copies, pages = bm.take_state_copies()
         for copy in copies:  # in order: a restore may read the row (or run) a save just wrote
@@ -346,14 +347,14 @@ class PagedKVCacheManager:
     def num_state_checkpoints(self, replica_idx: int = 0) -> int:
         """Recurrent-state checkpoints the replica keeps now (0 for models without recurrent state)."""
         bm = self._bm(replica_idx)
-        return len(bm.states) if isinstance(bm, KVCacheCoordinator) and bm.states is not None else 0
+        return len(bm.states) if bm.states is not None else 0
 
     def checkpoint_cut(self, request_id: RequestID, replica_idx: int = 0) -> int | None:
         """The next token position at which the request saves a recurrent-state checkpoint (where a cached
         prefix diverges from it, then before its prompt's last token), or None; a scheduler ends a prefill
         chunk exactly there. Always None for models without recurrent state."""
         bm = self._bm(replica_idx)
-        return bm.checkpoint_cut(request_id) if isinstance(bm, KVCacheCoordinator) else None
+        return bm.checkpoint_cut(request_id)
 
     def _device_tables(
         self, r: int, tables: BatchTables
@@ -405,9 +406,7 @@ class PagedKVCacheManager:
         """Page ids of the request in logical order (of `group`, for hybrid models; null where dropped)."""
         bm = self._bm(replica_idx)
         checks.check_group(bm, group)
-        if isinstance(bm, KVCacheCoordinator):
-            return bm.get_req_blocks(request_id, group)
-        return bm.get_req_blocks(request_id)
+        return bm.get_req_blocks(request_id, group)
 
     def num_free_blocks(self, replica_idx: int = 0) -> int:
         """Pages no running request holds: fresh plus evictable cached (state checkpoints' pages included)."""

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 from pagedkv.core.context import RequestID, TextContext
 from pagedkv.core.hybrid_state import SwappedGroups
+from pagedkv.core.replica import ReplicaBookkeeping
 from pagedkv.core.tables import SwappedPages
-from pagedkv.manager.hybrid import ReplicaBookkeeping
 from pagedkv.manager.tiering import Tiering
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -31,10 +31,10 @@ from typing import Any
 
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.coordinator import KVCacheCoordinator
-from pagedkv.core.events import AllBlocksCleared, BlockRemoved, KVEventBatch, KVEventQueue
+from pagedkv.core.events import AllBlocksCleared, KVEventBatch, KVEventQueue
 from pagedkv.core.hashing import BlockHash
 from pagedkv.core.memory import compute_num_host_blocks
-from pagedkv.manager.hybrid import ReplicaBookkeeping
+from pagedkv.core.replica import ReplicaBookkeeping
 from pagedkv.manager.tier_link import CoordinatorTiers, PageEvents, state_events
 from pagedkv.offload.tier_stats import TierStats
 from pagedkv.params.kv import KVConnectorType
@@ -44,13 +44,6 @@ __all__ = ["Tiering"]
 
 Listener = Callable[[KVEventBatch], None]
 TRACKED_KEYS = 1 << 18  # tier keys a model of several attention groups maps back to hashes for its events
-
-
-def tiers_by_hash(bm: ReplicaBookkeeping) -> bool:
-    """Whether `bm`'s pages can go down the tiers by hash: one group, or every token group full attention."""
-    if not isinstance(bm, KVCacheCoordinator):
-        return True
-    return all(not g.lazy and not g.reads_encoder for g in bm.groups if not g.state_slots)
 
 
 class Tiering:
@@ -71,11 +64,12 @@ class Tiering:
         self.links: list[CoordinatorTiers] = []  # one per replica of a model of several groups with tiers by hash
         self.state_connectors: list[Any] = []  # the links' state checkpoint connectors
         self.swap_spaces: list[Any] = []  # one `SwapSpace` per replica when a host tier exists
+        self.active = False  # connectors or listeners: False means the per-step calls have nothing to do
         kind = params.kv_connector
         if kind in (None, KVConnectorType.null):
             return
-        stateful = any(isinstance(bm, KVCacheCoordinator) and bm.states is not None for bm in managers)
-        by_hash = all(tiers_by_hash(bm) for bm in managers)
+        stateful = any(bm.states is not None for bm in managers)
+        by_hash = all(bm.tiers_by_hash for bm in managers)
         if not by_hash and kind is not KVConnectorType.local:
             raise ValueError(f"kv_connector={kind.value}: tiers below the device keep pages by hash for models "
                              "whose attention is all full attention (recurrent state layers included); a model "
@@ -93,7 +87,7 @@ class Tiering:
             mover = PageMover(buffer)
             page_rows, disk = host_pages, None
             images = None
-            if isinstance(bm, KVCacheCoordinator) and bm.states is not None:  # a third for checkpoint images
+            if bm.states is not None:  # a third for checkpoint images
                 image_bytes = sum(int(a.shape[1]) for a in buffer.state_arenas) + (
                     mover.row_bytes * len(bm.tier_groups.decoder)
                 )
@@ -103,7 +97,7 @@ class Tiering:
                     disk = config.disk_max_bytes - config.disk_max_bytes // STATE_TIER_SHARE
                 images = create_state_connector(params, buffer, mover, image_rows, len(bm.tier_groups.decoder),
                                                 emit=state_events(queue.emit, bm.states.groups))  # fmt: skip
-            several = isinstance(bm, KVCacheCoordinator) and by_hash and len(bm.tier_groups.cacheable) > 1
+            several = by_hash and len(bm.tier_groups.cacheable) > 1
             events = PageEvents(queue.emit, TRACKED_KEYS) if several else None
             connector = create_connector(params, buffer, page_rows, emit=events or queue.emit, mover=mover,
                                          disk_bytes=disk)  # fmt: skip
@@ -115,11 +109,12 @@ class Tiering:
                     bm.tier_link = link
                     bm.hooks.offloads = []
                     self.links.append(link)
-            else:
+            elif isinstance(bm, BlockManager):
                 bm.hooks.loader = connector.load  # stages only; `complete_loads` copies
                 bm.hooks.offloads = []
                 connector.on_failed_loads = self._forget_unloaded(bm)
             self.connectors.append(connector)
+        self.active = True
         if self.connectors[0].num_host_blocks and not stateful:
             from pagedkv.offload.swap_space import SwapSpace
 
@@ -196,10 +191,11 @@ class Tiering:
         state checkpoints saved since the last push."""
         for link in self.links:
             link.push()
-        for bm, connector in zip(self.managers, self.connectors, strict=False):
-            if isinstance(bm, KVCacheCoordinator):
+        for bm, connector in zip(self.managers, self.connectors, strict=False):  # (a link drained its own)
+            runs = bm.hooks.offloads  # (None: this replica's pages do not go down by hash)
+            if not runs:
                 continue
-            runs, bm.hooks.offloads = bm.hooks.offloads or [], []
+            bm.hooks.offloads = []
             for parent, hashes, _ in runs:
                 pages = []
                 for block_hash in hashes:  # stop at the first page evicted since its commit: no gap
@@ -242,30 +238,17 @@ class Tiering:
     def add_listener(self, listener: Listener) -> None:
         """Call `listener(batch)` for every event batch from now on (device events switch on)."""
         self.listeners.append(listener)
-        for bm, queue in zip(self.managers, self.queues, strict=True):
-            if isinstance(bm, KVCacheCoordinator):  # (every group, and state checkpoints)
-                bm.set_event_sink(queue.emit)
-                continue
-            bm.hooks.emit = queue.emit
-            bm.pool.on_removed = self._removed(queue)
-
-    @staticmethod
-    def _removed(queue: KVEventQueue) -> Callable[[Any, int], None]:
-        def on_removed(block_hash: Any, group: int) -> None:
-            queue.emit(BlockRemoved([block_hash], "GPU", group))
-
-        return on_removed
+        self.active = True
+        for bm, queue in zip(self.managers, self.queues, strict=True):  # (every group, and state checkpoints)
+            bm.set_event_sink(queue.emit)
 
     def remove_listener(self, listener: Listener) -> None:
         """Stop calling `listener`; device events switch off with the last one."""
         self.listeners.remove(listener)
+        self.active = bool(self.connectors or self.listeners)
         if not self.listeners:
             for bm in self.managers:
-                if isinstance(bm, KVCacheCoordinator):
-                    bm.set_event_sink(None)
-                    continue
-                bm.hooks.emit = None
-                bm.pool.on_removed = None
+                bm.set_event_sink(None)
 
     # ----------------------------------------------------------------- maintenance
     def reset(self) -> None:
@@ -273,8 +256,7 @@ class Tiering:
         for connector in self.all_connectors:
             connector.reset_prefix_cache()  # (`flush` runs staged loads before the host rows are cleared)
         for bm, queue in zip(self.managers, self.queues, strict=True):
-            states = bm.states if isinstance(bm, KVCacheCoordinator) else None
-            if self.listeners and bm.pool.num_cached == 0 and not states:
+            if self.listeners and bm.pool.num_cached == 0 and not bm.states:
                 queue.drain()  # the individual removals are subsumed
                 queue.emit(AllBlocksCleared())
         self.after_step()
@@ -294,3 +276,4 @@ class Tiering:
                 link.detach()
             self.connectors, self.state_connectors, self.links = [], [], []
             self.swap_spaces = []
+            self.active = bool(self.listeners)

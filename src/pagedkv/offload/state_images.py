@@ -14,7 +14,7 @@ checkpoint key exactly as they store pages by prefix hash; the ids a
 `KVConnector` passes are state rows, and `bind` tells which attention pages
 go with a row (a checkpoint's tail pages when it is offloaded, the resuming
 request's own pages when it is loaded). A checkpoint kept in a run of
-attention pages (`core.checkpoints`, run mode) is offloaded under the id
+attention pages (`core.state.checkpoints`, run mode) is offloaded under the id
 `run_id(run[0])`, bound to its run: its state part is read from those pages
 (`page_arenas`, laid out as `ops.state_runs` writes them). Images load into
 state rows only (a resuming request's live row).

@@ -1,7 +1,7 @@
 """Copy a state row into a run of attention pages and back (state checkpoints in the page budget).
 
 A model with recurrent state and attention pages keeps each state checkpoint in a run of attention
-pages (`core.checkpoints`, run mode). Per TP shard, the state arena is ``uint8 [rows, row_bytes]``
+pages (`core.state.checkpoints`, run mode). Per TP shard, the state arena is ``uint8 [rows, row_bytes]``
 and the page arena ``uint8 [pages, page_bytes]`` (`runtime.arena`); a run of ``R`` pages holds one
 row laid end to end::
 

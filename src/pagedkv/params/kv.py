@@ -202,7 +202,7 @@ class KVCacheParams(KVCacheParamInterface):
     attention_chunk_size: int | None = None
     sink_tokens: int = 0
     is_cross_attention: bool = False
-    eviction_policy: str = "lru"  # "lru", "slru" (never-reused pages first) or "lfu" (LFU with dynamic aging)
+    eviction_policy: str = "lru"  # a name in `pagedkv.core.pool.EVICTION_POLICIES`: "lru", "slru", "lfu", "arc"...
     protected_fraction: float = 0.25  # pool share that may keep running requests' dropped window pages
     evict_leaves_first: bool = False  # never evict a page while its prefix-chain child stays cached
     enable_partial_page_reuse: bool = False  # copy a cached last partial page's matching tokens (copy-on-write)
@@ -230,7 +230,9 @@ class KVCacheParams(KVCacheParamInterface):
             raise ValueError("commit_on_alloc=True requires enable_prefix_caching=True")
         self._validate_quantization()
         validate_attention_kind(self)
-        check_eviction(self.eviction_policy, self.protected_fraction, self.evict_leaves_first)
+        from pagedkv.core.pool import EVICTION_POLICIES  # (lazy: the pool's registry names the policies)
+
+        check_eviction(self.eviction_policy, self.protected_fraction, self.evict_leaves_first, EVICTION_POLICIES)
         if self.kv_hash_algo not in HASH_ALGOS:
             raise ValueError(f"kv_hash_algo={self.kv_hash_algo!r} must be one of {HASH_ALGOS}")
         object.__setattr__(self, "kv_hash_seed", normalize_hash_seed(self.kv_hash_seed, resolve_default=True))

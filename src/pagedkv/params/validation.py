@@ -3,17 +3,15 @@ value and the limit. Each layer above has its own `checks` module for its own en
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 
 __all__ = [
-    "EVICTION_POLICIES", "INT32_MAX", "INT64_MAX", "NONFINITE_KV", "as_token_array", "check_eviction", "check_int",
+    "INT32_MAX", "INT64_MAX", "NONFINITE_KV", "as_token_array", "check_eviction", "check_int",
     "check_weights_version", "normalize_hash_seed", "validate_attention_kind", "validate_partial_page_reuse",
 ]  # fmt: skip
-
-EVICTION_POLICIES = ("lru", "slru", "lfu", "arc")
-
 
 INT32_MAX = 2**31 - 1  # page ids, cache lengths and tokens are int32
 INT32_MIN = -(2**31)
@@ -77,12 +75,13 @@ def check_int(name: str, value: Any, minimum: int, maximum: int = INT64_MAX) -> 
         raise ValueError(f"{name}={value} must be at most {maximum}")
 
 
-def check_eviction(eviction_policy: Any, protected_fraction: Any, leaves_first: Any = False) -> None:
-    """Raise ValueError/TypeError unless the eviction settings of a page pool are valid."""
+def check_eviction(eviction_policy: Any, protected_fraction: Any, leaves_first: Any, policies: Collection[str]) -> None:
+    """Raise ValueError/TypeError unless the eviction settings of a page pool are valid; `policies` are the
+    allowed names of ``eviction_policy`` (the registry's, `pagedkv.core.pool.EVICTION_POLICIES`)."""
     if not isinstance(leaves_first, bool):
         raise TypeError(f"evict_leaves_first={leaves_first!r} must be a bool")
-    if eviction_policy not in EVICTION_POLICIES:
-        raise ValueError(f"eviction_policy={eviction_policy!r} must be one of {EVICTION_POLICIES}")
+    if not isinstance(eviction_policy, str) or eviction_policy not in policies:
+        raise ValueError(f"eviction_policy={eviction_policy!r} must be one of {tuple(policies)}")
     if isinstance(protected_fraction, bool) or not isinstance(protected_fraction, int | float):
         raise TypeError(f"protected_fraction={protected_fraction!r} must be a float")
     if not 0.0 <= protected_fraction <= 1.0:

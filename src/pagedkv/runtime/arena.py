@@ -10,7 +10,7 @@ follow::
 
 so one page id costs the largest group's page, not the sum over groups.
 State groups (`StateCacheParams`) have an arena of their own, indexed by state
-row (`core.checkpoints.StateCheckpoints`): each group's page sits at its own
+row (`core.state.checkpoints.StateCheckpoints`): each group's page sits at its own
 offset of a row, so one row holds a request's whole recurrent state (a live
 slot or a checkpoint), viewed as each layer's state tensors
 (`pagedkv.runtime.state_buffers`)::

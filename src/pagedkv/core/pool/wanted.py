@@ -5,14 +5,14 @@ prompt's prefix keys (`BlockPool.want`). Free cached pages nobody wants are evic
 order; then wanted ones, those whose first (soonest) want is latest first, ties in the order the pool's lists
 held them.
 
-Under the list policies (lru, slru, arc, while no page has a retention priority) wants are kept lazily, so
-they cost nothing per freed page: a wanted page stays in its list until eviction reaches it at the head, and
-is then *set aside* into the WANTED list with a heap entry ``(rank, set-aside sequence, page)``, rank =
-minus its first ticket (an entry is live while both still hold). Pages reach the head oldest first, so the sequence keeps their list order. A
-want that changes re-ranks only pages already set aside; one that nobody wants any more ranks `UNWANTED`
-and is evicted before every listed page (older than all of them, it would have gone already). Under a
-keyed `HeapOrder` (lfu, leaves first, priorities) the pool puts the rank into every heap key instead
-(`rank`), and no page is set aside.
+Under the list policies (lru, slru, arc: every policy that is not `keyed`, while no page has a retention
+priority) wants are kept lazily, so they cost nothing per freed page: a wanted page stays in its list until
+eviction reaches it at the head, and is then *set aside* into the WANTED list with a heap entry ``(rank,
+set-aside sequence, page)``, rank = minus its first ticket (an entry is live while both still hold). Pages
+reach the head oldest first, so the sequence keeps their list order. A want that changes re-ranks only pages
+already set aside; one that nobody wants any more ranks `UNWANTED` and is evicted before every listed page
+(older than all of them, it would have gone already). Under a keyed `HeapOrder` (lfu, leaves first,
+priorities) the pool puts the rank into every heap key instead (`rank`), and no page is set aside.
 
 Under the list policies a want is also *deferred* (`want`): it waits, by ticket, until something reads the wants
 (the next eviction, `count_free`, `ordered`); one withdrawn before that costs nothing. In a pool that seldom
@@ -31,8 +31,9 @@ from collections.abc import Callable, Iterable
 from itertools import repeat
 
 from pagedkv.core.errors import require
-from pagedkv.core.eviction import LRU, NONE, PROBATION, WANTED, ArcState, FreeLists, HeapOrder
 from pagedkv.core.hashing import BlockHash
+from pagedkv.core.pool.eviction import LRU, NONE, PROBATION, WANTED, FreeLists, HeapOrder
+from pagedkv.core.pool.policies import EvictionPolicy
 
 __all__ = ["WantedPages", "UNWANTED"]
 
@@ -199,22 +200,22 @@ class WantedPages:
         self.sequence[page] = seq
         self._push(page)
 
-    def next_victim(self, arc: ArcState | None) -> int:
-        """The next page to evict by list order (`arc`'s split, else probation first), unlinked by the caller,
-        setting aside each wanted page it passes: set-aside pages nobody wants any more go first, wanted ones
-        last (`take`'s order one page at a time, with ARC; the caller makes sure a free cached page exists)."""
+    def next_victim(self, policy: EvictionPolicy) -> int:
+        """The next page to evict by list order (`policy.from_probation` picks the list; `policy.evicted` hears
+        of the victim), unlinked by the caller, setting aside each wanted page it passes: set-aside pages nobody
+        wants any more go first, wanted ones last (`take`'s order one page at a time, for any policy; the
+        caller makes sure a free cached page exists)."""
         self.flush()
         lists, count, tickets, hashes = self.lists, self.lists.count, self.tickets, self.hashes
         if self.released and (page := self.victim(unwanted_only=True)) >= 0:
             return page
         while count[PROBATION] or count[LRU]:
-            t1 = arc.from_probation(count[PROBATION], count[LRU]) if arc is not None else count[PROBATION] > 0
+            t1 = policy.from_probation(count[PROBATION], count[LRU])
             page = lists.head(PROBATION if t1 else LRU)
             if tickets and hashes[page] in tickets:
                 self.set_aside(page)
                 continue
-            if arc is not None:
-                arc.evicted(hashes[page], t1)  # type: ignore[arg-type]
+            policy.evicted(hashes[page], t1)  # type: ignore[arg-type]
             return page
         return self.victim()  # (>= 0: the pool's free count includes every set-aside page)
 
@@ -253,9 +254,10 @@ class WantedPages:
                     self.released = self.released or key not in self.tickets
 
     def take(self, n: int) -> list[int]:
-        """Unlink and return `n` free cached pages in the list policies' eviction order (no ARC): set-aside pages
-        nobody wants any more, then the heads of probation and of the LRU list, setting aside each wanted page
-        they pass, then set-aside wanted pages. The caller makes sure there are `n` (the pool's free count)."""
+        """Unlink and return `n` free cached pages in `next_victim`'s order, for a policy not asked page by page
+        (`EvictionPolicy.page_by_page` False): set-aside pages nobody wants any more, then the heads of
+        probation and of the LRU list, setting aside each wanted page they pass, then set-aside wanted pages.
+        The caller makes sure there are `n` (the pool's free count)."""
         self.flush()
         lists = self.lists
         pages: list[int] = []

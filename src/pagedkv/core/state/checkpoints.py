@@ -60,12 +60,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.errors import require as _require
 from pagedkv.core.events import BlockRemoved, BlockStored, EventSink
 from pagedkv.core.hashing import BlockHash
 from pagedkv.core.partial_pages import PageCopy
+from pagedkv.core.pool import BlockPool
 
 __all__ = ["SHARED_PRIORITY", "Checkpoint", "RunCopy", "StateCheckpoints", "StateCopy", "checkpoint_key", "run_key"]
 

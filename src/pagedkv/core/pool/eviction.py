@@ -1,33 +1,17 @@
-"""The eviction order of a pool's free cached pages: free lists, ARC's adaptive split, keyed order.
+"""The eviction order of a pool's free cached pages: free lists and the keyed order, shared by every policy.
 
 `BlockPool` keeps its free cached pages in intrusive doubly linked lists
-(`FreeLists`: LRU, SLRU probation, protected) and, with the default
-settings, evicts from their heads. Two policies need more than list order:
-
-- ``"arc"`` (`ArcState`): ARC (Megiddo & Modha) over SLRU's two lists.
-  Probation is T1 (cached pages never reused since they were cached), LRU is
-  T2 (pages that served a hit). Plain SLRU always evicts T1 first; ARC
-  evicts from T1 only while it holds more than a target `p` pages, and adapts
-  `p` from ghosts, the hashes of recently evicted pages: a miss on a hash
-  recently evicted from T1 (ghost B1) grows `p` by max(1, |B2| / |B1|); a
-  miss on one evicted from T2 (ghost B2) shrinks it by max(1, |B1| / |B2|).
-  Each ghost list keeps at most `num_blocks` hashes (oldest dropped).
-- `HeapOrder`: a keyed order for retention priorities, evict leaves first,
-  LFU with aging, or an external key (the offline-optimal bound). It is a
-  lazy min-heap of ``(priority, *policy key, version, page)``: every time a
-  page enters or moves within the LRU/probation lists the pool calls
-  `listed(page)`, which pushes a fresh entry (older entries of that page go
-  stale and are skipped when popped); `victim()` pops until it finds a page
-  that is still free and cached in an evictable list and (leaves first) has
-  no cached child.
-
-Policy keys of `HeapOrder` (smaller is evicted first), each after the priority::
-
-    lru   (tick,)                    least recently freed or refreshed first
-    slru  (reused, tick)             never-reused pages first, then LRU
-    lfu   (aging + hits, tick)       LFU with dynamic aging (LFU-DA): `aging` is
-                                     raised to the evicted page's count, so old
-                                     popular pages eventually yield to new ones
+(`FreeLists`: LRU, probation, protected, and queue-aware retention's WANTED)
+and, under a list policy, evicts from their heads in the order its
+`EvictionPolicy` chooses (`policies`). `HeapOrder` is the keyed order, for
+policies that rank pages by a key (`EvictionPolicy.keyed`, e.g. LFU), for
+retention priorities, evict leaves first, or an external key (the
+offline-optimal bound). It is a lazy min-heap of ``(priority, rank, *key,
+version, page)``, `key` the policy's `order_key`: every time a page enters
+or moves within the LRU/probation lists the pool calls `listed(page)`, which
+pushes a fresh entry (older entries of that page go stale and are skipped
+when popped); `victim()` pops until it finds a page that is still free and
+cached in an evictable list and (leaves first) has no cached child.
 
 Retention priorities follow TensorRT-LLM: 0..100, default 35, lower evicted
 first, each with an optional expiry after which the page drops back to the
@@ -42,14 +26,17 @@ import heapq
 import time
 from array import array
 from collections.abc import Callable, Container, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.core.errors import require
 from pagedkv.core.hashing import BlockHash
 
+if TYPE_CHECKING:
+    from pagedkv.core.pool.policies.base import EvictionPolicy
+
 __all__ = [
-    "FreeLists", "NONE", "LRU", "PROTECTED", "PROBATION", "WANTED", "ArcState", "HeapOrder", "check_order",
-    "DEFAULT_PRIORITY", "MAX_PRIORITY", "KEYED_POLICIES",
+    "FreeLists", "NONE", "LRU", "PROTECTED", "PROBATION", "WANTED", "HeapOrder", "check_order", "DEFAULT_PRIORITY",
+    "MAX_PRIORITY",
 ]  # fmt: skip
 
 NONE, LRU, PROTECTED, PROBATION, WANTED = 0, 1, 2, 3, 4  # list ids (NONE: in no list; WANTED: `wanted`)
@@ -188,51 +175,22 @@ class FreeLists:
         return pages
 
 
-class ArcState:
-    """Target size `p` of T1 and the two ghost lists (insertion-ordered dicts used as bounded FIFOs)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.capacity = num_blocks
-        self.p = 0.0
-        self.b1: dict[BlockHash, None] = {}
-        self.b2: dict[BlockHash, None] = {}
-
-    def from_probation(self, n_probation: int, n_lru: int) -> bool:
-        """True when the next victim comes from T1 (probation)."""
-        return n_probation > 0 and (n_probation > self.p or n_lru == 0)
-
-    def evicted(self, block_hash: BlockHash, from_probation: bool) -> None:
-        """Remember an evicted page's hash in the ghost list of the list it left."""
-        ghosts = self.b1 if from_probation else self.b2
-        ghosts[block_hash] = None
-        if len(ghosts) > self.capacity:
-            del ghosts[next(iter(ghosts))]
-
-    def missed(self, block_hash: BlockHash) -> None:
-        """A lookup wanted `block_hash` and did not find it cached: adapt on a ghost hit."""
-        b1, b2 = self.b1, self.b2
-        if block_hash in b1:
-            self.p = min(float(self.capacity), self.p + max(1.0, len(b2) / len(b1)))
-            del b1[block_hash]
-        elif block_hash in b2:
-            self.p = max(0.0, self.p - max(1.0, len(b1) / len(b2)))
-            del b2[block_hash]
-
-
 DEFAULT_PRIORITY = 35
 MAX_PRIORITY = 100
-KEYED_POLICIES = ("lru", "slru", "lfu")
 
 
 class HeapOrder:
     """Keyed eviction order over pages ``[0, n)`` of one pool (see module docstring)."""
 
-    def __init__(self, n: int, lists: FreeLists, reused: bytearray, stamps: array, policy: str,
+    def __init__(self, n: int, lists: FreeLists, reused: bytearray, stamps: array, policy: EvictionPolicy,
                  leaves_first: bool, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
-        policy = "slru" if policy == "arc" else policy  # (keyed ARC: SLRU's order, no adaptive split)
-        if policy not in KEYED_POLICIES:
-            raise ValueError(f"eviction_policy={policy!r} must be one of {KEYED_POLICIES}")
-        self.policy = policy
+        self.policy = policy  # (the pool's: its `order_key` ranks pages, its keyed hooks hear of hits and cachings)
+        self.policy_key = policy.order_key
+        hooks = policy.listens  # (the hooks its class overrides; the others do nothing and are not called)
+        self.on_hit = policy.hit if "hit" in hooks else None
+        self.on_cached = policy.cached if "cached" in hooks else None
+        self.on_forgotten = policy.forgotten if "forgotten" in hooks else None
+        self.on_chosen = policy.chosen if "chosen" in hooks else None
         self.leaves_first = leaves_first
         self.clock = clock
         self.lists = lists
@@ -240,7 +198,6 @@ class HeapOrder:
         self.stamps = stamps
         self.heap: list[tuple[Any, ...]] = []
         self.version = array("q", [0]) * n
-        self.hits = array("i", [0]) * n  # hits + merges since the page was cached
         self.priority = bytearray([DEFAULT_PRIORITY]) * n
         self.expiry: dict[int, float] = {}  # page -> when its priority ends (pages with a non-default one)
         self.expiry_heap: list[tuple[float, int]] = []  # (when, page); stale unless expiry[page] == when
@@ -250,7 +207,6 @@ class HeapOrder:
         self.children = array("i", [0]) * n  # cached chain children
         self.tick = 0
         self.last_use = array("q", [0]) * n  # the tick of each page's last listing
-        self.aging = 0
         self.key: Callable[[int], tuple[Any, ...]] | None = None  # an external key replaces the policy's
         self.rank: Callable[[int], float] | None = None  # queue-aware retention: ordered before the policy's key
 
@@ -264,14 +220,7 @@ class HeapOrder:
         v = self.version[page] + 1
         self.version[page] = v
         tick = self.last_use[page]
-        if self.key is not None:
-            key = self.key(page)
-        elif self.policy == "lru":
-            key = (tick,)
-        elif self.policy == "slru":
-            key = (self.reused[page], tick)
-        else:
-            key = (self.aging + self.hits[page], tick)
+        key = self.policy_key(page, tick, self.reused[page]) if self.key is None else self.key(page)
         rank = 0.0 if self.rank is None else self.rank(page)
         heapq.heappush(self.heap, (self.priority[page], rank, *key, v, page))
         if len(self.heap) > 4 * (self.lists.count[LRU] + self.lists.count[PROBATION]) + 1024:
@@ -279,11 +228,13 @@ class HeapOrder:
 
     def hit(self, page: int) -> None:
         """A request reused `page` (a prefix hit or a merge)."""
-        self.hits[page] += 1
+        if self.on_hit is not None:
+            self.on_hit(page)
 
     def cached(self, page: int, parent: int, parent_stamp: int) -> None:
         """`page` was just cached as the chain child of `parent` (-1: a chain root)."""
-        self.hits[page] = 0
+        if self.on_cached is not None:
+            self.on_cached(page)
         self.parent[page] = parent
         self.parent_stamp[page] = parent_stamp
         if parent >= 0:
@@ -293,7 +244,8 @@ class HeapOrder:
         """`page` is about to lose its hash: drop its priority and its link to its parent, which may
         become a leaf (a parent skipped by `victim` for that reason gets its old entry back)."""
         self.version[page] += 1
-        self.hits[page] = 0
+        if self.on_forgotten is not None:
+            self.on_forgotten(page)
         self.children[page] = 0
         self.deferred.pop(page, None)
         if self.priority[page] != DEFAULT_PRIORITY:
@@ -330,8 +282,8 @@ class HeapOrder:
             if self.leaves_first and self.children[page]:
                 self.deferred[page] = entry  # pushed again by `forget` when its last child goes
                 continue
-            if self.policy == "lfu" and self.key is None:
-                self.aging = entry[2]
+            if self.on_chosen is not None and self.key is None:
+                self.on_chosen(page, entry[2:-2])
             return page
         # only chain interiors are left (their children are held or protected): oldest list page
         return self.lists.head(PROBATION if self.lists.count[PROBATION] else LRU)

@@ -1,66 +1,27 @@
-"""The page pool: reference counts, the prefix cache and the eviction order.
-
-Every page id in ``[0, num_blocks)`` is in exactly one state::
-
-    in use     ref > 0                    held by one or more requests
-    cached     ref == 0, hash set         evictable, in a free list, still hittable
-    fresh      ref == 0, no hash          on the fresh stack, holds nothing reusable
-
-Page ``num_blocks`` is the null page: never handed out, never counted.
-
-Allocation takes fresh pages first (most recently freed first, so a fresh
-pool hands out 0, 1, 2, ...), then evicts cached pages. A cached page is
-never evicted while a fresh one exists. Cached free pages sit in one of
-three lists, evicted in this order, each oldest first:
-
-    probation  (SLRU only) cached pages never reused since they were cached
-    LRU        the others
-    protected  pinned pages: a running request still needs them kept
-
-Callers free a request's pages tail first, so the deepest pages of a prefix
-are evicted before its head.
-
-A *pin* marks a cached page that a running request no longer reads (it fell
-out of the request's attention window) but whose loss would break that
-request's prefix for later hits: the full-attention pages of the prefix stay
-held, so the window pages must stay too. A free pinned page is protected:
-evicted only after every unpinned one. Pins are counted; `unpin` at request
-end returns the page to the LRU. Each caching of a page gets a new stamp, so
-an owner's pin on a page evicted and re-cached since is recognised as stale.
-
-Storage is struct-of-arrays (about 47 bytes per page before any caching): int32
-ref counts and pins, int64 stamps, int32 free-list links and fresh stack, a hash
-slot, one byte each for the group that cached it, its list and its reuse bit, and
-queue-aware retention's int64 set-aside sequence. A pool of a million pages builds
-in milliseconds.
-
-Hybrid models (several KV cache groups, e.g. sliding-window and full layers)
-share one pool: a page id belongs to one group at a time, and each group has
-its own prefix cache (the same prefix hash maps to a different page in each).
-"""
+"""`BlockPool`: the page pool of one replica (its page states, free lists, pins and storage: `pagedkv.core.pool`)."""
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from pagedkv.core.errors import InsufficientBlocksError, require
-from pagedkv.core.eviction import (
+from pagedkv.core.hashing import BlockHash
+from pagedkv.core.pool.eviction import (
     LRU,
     MAX_PRIORITY,
     NONE,
     PROBATION,
     PROTECTED,
     WANTED,
-    ArcState,
     FreeLists,
     HeapOrder,
     check_order,
 )
-from pagedkv.core.hashing import BlockHash
-from pagedkv.core.wanted import WantedPages
+from pagedkv.core.pool.policies import EVICTION_POLICIES, EvictionPolicy, make_eviction_policy
+from pagedkv.core.pool.wanted import WantedPages
 from pagedkv.params.validation import INT32_MAX, check_eviction, check_int
 
 __all__ = ["BlockPool"]
@@ -69,12 +30,12 @@ __all__ = ["BlockPool"]
 class BlockPool:
     """Page ids, ref counts, pins and the hash -> page prefix caches of one replica.
 
-    `eviction_policy`: "lru"; "slru" (segmented LRU: cached pages never reused since they were
-    cached are evicted before pages that served a hit, each segment in LRU order); or "lfu" (LFU with
-    dynamic aging, see `eviction`). `leaves_first`: never evict a page while its chain child is cached.
-    `protected_fraction`: at most this share of the pages sits in the protected list; a pinned page
-    freed while it is full goes to the LRU like any other. Plain "lru"/"slru" evict from list heads;
-    "lfu", `leaves_first` and retention priorities (`set_priority`) use a keyed `HeapOrder`.
+    `eviction_policy`: the name of a registered `EvictionPolicy` (`EVICTION_POLICIES`: "lru", "slru",
+    "lfu", "arc", ...); the pool builds it once (`policy`) and asks it which free page goes next.
+    `leaves_first`: never evict a page while its chain child is cached. `protected_fraction`: at most
+    this share of the pages sits in the protected list; a pinned page freed while it is full goes to
+    the LRU like any other. List policies evict from list heads; keyed ones (`EvictionPolicy.keyed`),
+    `leaves_first` and retention priorities (`set_priority`) use a keyed `HeapOrder`.
     """
 
     def __init__(
@@ -88,10 +49,10 @@ class BlockPool:
     ) -> None:
         check_int("num_blocks", num_blocks, 1, INT32_MAX - 1)  # page ids and the null page id are int32
         check_int("num_groups", num_groups, 1)
-        check_eviction(eviction_policy, protected_fraction, leaves_first)
+        check_eviction(eviction_policy, protected_fraction, leaves_first, EVICTION_POLICIES)
         self.eviction_policy = eviction_policy
-        self._slru = eviction_policy in ("slru", "arc")  # (ARC keeps SLRU's two lists, see `arc`)
-        self.arc = ArcState(num_blocks) if eviction_policy == "arc" else None
+        self.policy: EvictionPolicy = make_eviction_policy(eviction_policy, num_blocks)
+        self._segmented = self.policy.segmented  # (never-reused pages wait in probation)
         n = num_blocks
         self.num_blocks = n
         self.null_block = n
@@ -116,7 +77,7 @@ class BlockPool:
         self._wants = WantedPages(self._lists, self._hash, self._caches)  # queue-aware retention
         self._wanted = self._wants.tickets  # prefix keys -> tickets of waiting requests (`want`)
         self._order: HeapOrder | None = None
-        if eviction_policy == "lfu" or leaves_first:
+        if self.policy.keyed or leaves_first:
             self.keyed_order()
 
     # ------------------------------------------------------------------ mutations
@@ -182,7 +143,7 @@ class BlockPool:
 
     def _evict(self, n: int) -> list[int]:
         lists, fresh, order = self._lists, self._fresh, self._order
-        if not (order or self.arc or fresh or self.on_uncached or self.on_removed):
+        if not (order or self.policy.page_by_page or fresh or self.on_uncached or self.on_removed):
             return self._evict_listed(n)  # (list order, no hook: runs of pages, no call per page)
         pages = []
         evicted = 0
@@ -191,7 +152,7 @@ class BlockPool:
                 pages.append(fresh.pop())
                 continue
             evicted += 1
-            page = order.victim() if order is not None else self._wants.next_victim(self.arc)
+            page = order.victim() if order is not None else self._wants.next_victim(self.policy)
             lists.unlink(page)
             self._uncache(page)
             pages.append(page)
@@ -199,8 +160,8 @@ class BlockPool:
         return pages
 
     def _evict_listed(self, n: int) -> list[int]:
-        """`n` victims in `WantedPages.next_victim`'s order, taken in runs (`WantedPages.take`: no keyed order, ARC or
-        hook), each losing its hash as `_uncache` does."""
+        """`n` victims in `WantedPages.next_victim`'s order, taken in runs (`WantedPages.take`: no keyed order, hook
+        or policy asked page by page), each losing its hash as `_uncache` does."""
         pages, hashes = self._wants.take(n), self._hash
         group, caches, reused, pins, stamp = self._group, self._caches, self._reused, self._pins, self._stamp
         for page in pages:  # (inlined `_uncache` without hooks: this runs once per evicted page)
@@ -218,6 +179,11 @@ class BlockPool:
         priorities still come first. Costs O(keys), plus the pages already set aside (`WantedPages`); under the list
         policies the want waits for the next eviction, and one withdrawn before it costs O(1)."""
         self._wants.want(keys, ticket, delta, self._order, self._rank)
+
+    def note_misses(self, keys: Sequence[BlockHash]) -> None:
+        """A prefix lookup wanted the pages of `keys` and found none of them cached: the policy may adapt
+        (ARC's split, on a key evicted lately); the others ignore it. Changes no page."""
+        self.policy.missed(keys)
 
     def _rank(self, page: int) -> float:
         return self._wants.rank(self._hash[page])
@@ -284,7 +250,7 @@ class BlockPool:
         """
         ref, hashes, fresh, null, order = self._ref, self._hash, self._fresh, self.null_block, self._order
         pins, append = self._pins, self._lists.append
-        plain = LRU if not self._slru else 0  # the list of an unpinned page, when it does not depend on reuse
+        plain = LRU if not self._segmented else 0  # the list of an unpinned page, when it does not depend on reuse
         run: list[int] = []  # (unpinned pages bound for the LRU tail, linked in one walk when no keyed order)
         for page in pages:
             if page == null:
@@ -355,7 +321,7 @@ class BlockPool:
         return self._unpinned_list(page)
 
     def _unpinned_list(self, page: int) -> int:
-        return PROBATION if self._slru and not self._reused[page] else LRU
+        return PROBATION if self._segmented and not self._reused[page] else LRU
 
     def commit(self, page: int, block_hash: BlockHash, group: int = 0, parent: int = -1) -> int:
         """Cache the full, written `page` under `block_hash` in `group`; returns the page to use.
@@ -449,8 +415,7 @@ class BlockPool:
         if self._order is None:
             self._wants.flush()  # (a keyed order applies every want at once)
             self._wants.restore_all(self._unpinned_list)  # (the heap ranks wanted pages from now on)
-            order = HeapOrder(self.num_blocks, self._lists, self._reused, self._stamp, self.eviction_policy,
-                              self.leaves_first)  # fmt: skip
+            order = HeapOrder(self.num_blocks, self._lists, self._reused, self._stamp, self.policy, self.leaves_first)
             if self._wants:
                 order.rank = self._rank
             for page in [*self._lists.pages(PROBATION), *self._lists.pages(LRU)]:
@@ -530,7 +495,8 @@ class BlockPool:
         return list(map(self._ref.__getitem__, pages)).count(0)
 
     def free_order(self) -> list[int]:
-        """The free pages in the order allocations will take them (list order under ARC, keyed order ignored)."""
+        """The free pages in the order allocations will take them (list order: a policy's own split, e.g.
+        ARC's, and the keyed order are ignored)."""
         listed = [*self.list_pages(PROBATION), *self.list_pages(LRU)]
         if self._order is not None or not (self._wants or self._lists.count[WANTED]):
             return [*reversed(self._fresh), *listed, *self.list_pages(PROTECTED)]

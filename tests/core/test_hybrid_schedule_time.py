@@ -1,0 +1,61 @@
+"""Schedule-time caching (`commit_on_alloc`) on a model of several KV cache groups: a request admitted after
+another in the same step hits the prefix the first is about to compute, in every group."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedkv.core.context import TextContext
+from pagedkv.core.coordinator import KVCacheCoordinator
+from pagedkv.core.groups import FullAttentionManager, MambaManager, SlidingWindowManager
+
+PAGE = 4
+
+
+def coordinator(scheduled: bool) -> KVCacheCoordinator:
+    groups = [FullAttentionManager(0, PAGE), SlidingWindowManager(1, PAGE, 8)]
+    return KVCacheCoordinator(32, PAGE, groups, enable_prefix_caching=True, commit_on_alloc=scheduled)
+
+
+def admit(c: KVCacheCoordinator, rid: str, tokens: list[int]) -> TextContext:
+    ctx = TextContext(rid, np.array(tokens))
+    c.claim(rid)
+    c.alloc(ctx)
+    c.check_integrity()
+    return ctx
+
+
+@pytest.mark.parametrize("scheduled", [True, False])
+def test_a_request_admitted_in_the_same_step_hits_the_prefix_being_computed(scheduled: bool) -> None:
+    c = coordinator(scheduled)
+    prompt = list(range(1, 22))  # 21 tokens: 5 full pages, the last token's page is never committed
+    a = admit(c, "a", prompt)
+    b = admit(c, "b", [*prompt[:20], 99])  # same step: a's pages are not written yet
+    assert b.cached_prefix_length == (20 if scheduled else 0)
+    shared = set(c.get_req_blocks("a", 0)[:5]) & set(c.get_req_blocks("b", 0)[:5])
+    assert len(shared) == (5 if scheduled else 0)
+    if scheduled:  # the window group shares the pages its window reads at b's first query (positions 13..20)
+        assert c.get_req_blocks("b", 1)[3:5] == c.get_req_blocks("a", 1)[3:5]
+    for ctx in (a, b):
+        ctx.update(7)
+    c.step_batch([a, b])
+    c.check_integrity()
+
+
+def test_pages_committed_at_alloc_leave_the_cache_when_released_unwritten() -> None:
+    c = coordinator(True)
+    prompt = list(range(1, 22))
+    admit(c, "a", prompt)
+    cached = c.pool.num_cached
+    assert cached == 10  # 5 pages in each group, hittable from now on
+    c.release("a")  # before its step: its KV was never written
+    c.check_integrity()
+    assert c.pool.num_cached == 0
+    assert admit(c, "b", prompt).cached_prefix_length == 0
+
+
+def test_models_with_recurrent_state_refuse_it() -> None:
+    groups = [FullAttentionManager(0, PAGE), MambaManager(1, PAGE)]
+    with pytest.raises(ValueError, match="commit_on_alloc=True does not support models with recurrent state"):
+        KVCacheCoordinator(32, PAGE, groups, enable_prefix_caching=True, commit_on_alloc=True, num_state_rows=4)
