@@ -74,8 +74,8 @@ bench: $(STAMP)
 	$(BIN)/pagedkv bench manager
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
 clean:

@@ -16,15 +16,13 @@ TORCH_FREE = [  # every bookkeeping module (all of pagedkv.core) and the descrip
     "pagedkv",
     "pagedkv.dtype",
     "pagedkv.params",
-    "pagedkv.multi_params",
-    "pagedkv.symbols",
-    "pagedkv.records",
-    "pagedkv.validation",
+    *sorted("pagedkv.params." + p.stem for p in (SRC / "params").glob("*.py") if p.stem != "__init__"),
     "pagedkv.lazy",
     "pagedkv.interface",
     "pagedkv.specs",
-    "pagedkv.connector_config",
     "pagedkv.offload.format",
+    "pagedkv.offload.tier_index",
+    "pagedkv.offload.tier_stats",
     *sorted(
         ".".join(("pagedkv", *p.relative_to(SRC).with_suffix("").parts)).removesuffix(".__init__")
         for p in (SRC / "core").rglob("*.py")
@@ -33,21 +31,21 @@ TORCH_FREE = [  # every bookkeeping module (all of pagedkv.core) and the descrip
 
 # Lower number = lower layer. A module may import only from its own layer or below.
 LAYERS = {
-    "pagedkv.dtype": 0, "pagedkv.lazy": 0, "pagedkv.validation": 0, "pagedkv.records": 0, "pagedkv.symbols": 0, "pagedkv.params": 0, "pagedkv.deployment_seed": 0, "pagedkv.multi_params": 0, "pagedkv.interface": 0, "pagedkv.specs": 0, "pagedkv.state_params": 0, "pagedkv.connector_config": 0,
+    "pagedkv.dtype": 0, "pagedkv.lazy": 0, "pagedkv.params": 0, "pagedkv.interface": 0, "pagedkv.specs": 0,
     "pagedkv.core": 1, "pagedkv.runtime": 2, "pagedkv.manager": 2, "pagedkv.ops": 3, "pagedkv.offload": 2, "pagedkv.observability": 3,
     "pagedkv.ops.page_copy": 2,  # a buffer op the manager applies (imports nothing from pagedkv)
     "pagedkv.ops.state_runs": 2,  # checkpoint runs the manager copies (imports nothing from pagedkv)
-    "pagedkv.engine": 4, "pagedkv.testing": 5, "pagedkv.bench": 5, "pagedkv.demo": 5, "pagedkv.tier_demo": 5, "pagedkv.manager_demo": 5, "pagedkv.hf": 4, "pagedkv.cli": 6, "pagedkv": 6,
+    "pagedkv.engine": 4, "pagedkv.testing": 5, "pagedkv.bench": 5, "pagedkv.demos": 5, "pagedkv.workloads": 5, "pagedkv.hf": 4, "pagedkv.cli": 6, "pagedkv": 6,
     "pagedkv.integrations": 5,
     "pagedkv.router": 5,
 }  # fmt: skip
 # The seed API puts `allocate_buffers` on the params; it is the one call that reaches up to build something
 # (lazily). The params also check `eviction_policy` against the pool's registry of policies (lazily).
 ALLOWED_UPWARD = {
-    ("pagedkv.params", "pagedkv.core.pool"),
-    ("pagedkv.params", "pagedkv.runtime.buffers"),
-    ("pagedkv.state_params", "pagedkv.runtime.state_buffers"),
-    ("pagedkv.multi_params", "pagedkv.runtime.buffers"),
+    ("pagedkv.params.kv", "pagedkv.core.pool"),
+    ("pagedkv.params.kv", "pagedkv.runtime.buffers"),
+    ("pagedkv.params.state", "pagedkv.runtime.state_buffers"),
+    ("pagedkv.params.multi", "pagedkv.runtime.buffers"),
 }
 
 
@@ -122,6 +120,13 @@ def test_imports_flow_one_way(module: str, path: Path) -> None:
     strict = module.startswith("pagedkv.core")
     for imported in _imports(path, eager_only=not strict) if _layer(module) <= 1 else []:
         assert imported.split(".")[0] != "torch", f"bookkeeping module {module} imports torch"
+
+
+def test_the_library_never_imports_the_research_harness() -> None:
+    """benchmarks/ (the repository's research harness, `python -m benchmarks.<name>`) is not installed with
+    the package: nothing in pagedkv may import it."""
+    offenders = {m: i for m, p in _modules() for i in _imports(p) if i.split(".")[0] == "benchmarks"}
+    assert not offenders, offenders
 
 
 def test_files_hold_one_responsibility() -> None:
@@ -205,10 +210,10 @@ def test_no_import_circles_but_the_seed_apis_one() -> None:
     """Modules that import each other, directly or through others: only `KVCacheParams.allocate_buffers`
     (MAX's API puts buffer allocation on the params), which reaches up to the runtime buffers."""
     allowed = [
-        "pagedkv.multi_params",
-        "pagedkv.params",
+        "pagedkv.params.multi",
+        "pagedkv.params.kv",
         "pagedkv.runtime.buffers",
-        "pagedkv.state_params",
+        "pagedkv.params.state",
         "pagedkv.runtime.state_buffers",
     ]
     circles = _circles(_import_graph())
@@ -266,6 +271,7 @@ def test_tests_mirror_the_source_tree() -> None:
     """Each test folder is named after the package (or top-level module group) it tests."""
     tests = Path(__file__).resolve().parent
     packages = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    packages |= {p.name for p in tests.parent.iterdir() if (p / "__init__.py").exists()}  # benchmarks/ (not shipped)
     cross_cutting = {"hardening", "peers"}  # whole-stack fuzzing and hostile input; the real peers' classes
     folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
     assert folders - packages <= cross_cutting, f"test folders with no source package: {folders - packages}"

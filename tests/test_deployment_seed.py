@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from helpers import make_params
-from pagedkv import deployment_seed as ds
 from pagedkv.core.hashing import hash_tokens, root_digest
+from pagedkv.params import deployment_seed as ds
 
 TOKENS = list(range(1, 34))
 
@@ -28,7 +28,7 @@ def seed_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _child_seed(env: dict[str, str]) -> str:
-    code = "from pagedkv.deployment_seed import deployment_seed; print(deployment_seed().hex())"
+    code = "from pagedkv.params.deployment_seed import deployment_seed; print(deployment_seed().hex())"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
@@ -46,7 +46,7 @@ def test_default_seed_is_created_once_private_and_shared_by_processes(seed_env: 
 
 def test_racing_processes_agree_on_one_seed(tmp_path: Path) -> None:
     path = tmp_path / "race" / "hash_seed"
-    code = "from pagedkv.deployment_seed import deployment_seed; print(deployment_seed().hex())"
+    code = "from pagedkv.params.deployment_seed import deployment_seed; print(deployment_seed().hex())"
     env = {**os.environ, ds.SEED_FILE_ENV: str(path)}
     env.pop(ds.SEED_ENV, None)
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
@@ -74,7 +74,7 @@ def test_unwritable_location_falls_back_to_a_process_seed_with_a_warning(tmp_pat
     env = {ds.SEED_FILE_ENV: str(blocker / "pagedkv" / "hash_seed")}
     code = (
         "import warnings; warnings.simplefilter('error')\n"
-        "from pagedkv.deployment_seed import deployment_seed\n"
+        "from pagedkv.params.deployment_seed import deployment_seed\n"
         "try:\n    deployment_seed()\nexcept RuntimeWarning as w:\n    print('warned:', w)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)

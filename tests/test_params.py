@@ -8,8 +8,8 @@ import pytest
 
 from helpers import make_params
 from pagedkv.dtype import DeviceRef, DType
-from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams, KVCacheQuantizationConfig, KVConnectorType
+from pagedkv.params.multi import MultiKVCacheParams
 
 CPU = DeviceRef.CPU()
 

@@ -31,8 +31,8 @@ from pagedkv.interface import config as interface_config
 from pagedkv.manager.base import KVCacheManager
 from pagedkv.manager.continuous import ContinuousBatchingKVCacheManager
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import BatchCharacteristics, KVCacheParamInterface, KVCacheParams
+from pagedkv.params.multi import MultiKVCacheParams
 from pagedkv.runtime.buffers import KVCacheBuffer
 from pagedkv.runtime.inputs import KVCacheInputsSequence, PaddedKVCacheInputs, RaggedKVCacheInputs
 

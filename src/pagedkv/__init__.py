@@ -16,20 +16,20 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "DType": "pagedkv.dtype",
     "DeviceRef": "pagedkv.dtype",
-    "KVCacheParams": "pagedkv.params",
-    "KVCacheParamInterface": "pagedkv.params",
-    "BatchCharacteristics": "pagedkv.params",
-    "KVCacheQuantizationConfig": "pagedkv.params",
-    "KVConnectorType": "pagedkv.params",
-    "KVConnectorConfig": "pagedkv.connector_config",
-    "MultiKVCacheParams": "pagedkv.multi_params",
-    "StateCacheParams": "pagedkv.state_params",
+    "KVCacheParams": "pagedkv.params.kv",
+    "KVCacheParamInterface": "pagedkv.params.kv",
+    "BatchCharacteristics": "pagedkv.params.kv",
+    "KVCacheQuantizationConfig": "pagedkv.params.kv",
+    "KVConnectorType": "pagedkv.params.kv",
+    "KVConnectorConfig": "pagedkv.params.connector",
+    "MultiKVCacheParams": "pagedkv.params.multi",
+    "StateCacheParams": "pagedkv.params.state",
     "MambaSpec": "pagedkv.specs",
-    "TensorSpec": "pagedkv.symbols",
-    "KVCacheInputSymbols": "pagedkv.symbols",
-    "RaggedKVCacheInputSymbols": "pagedkv.symbols",
-    "PaddedKVCacheInputSymbols": "pagedkv.symbols",
-    "MultiKVCacheInputSymbols": "pagedkv.symbols",
+    "TensorSpec": "pagedkv.params.symbols",
+    "KVCacheInputSymbols": "pagedkv.params.symbols",
+    "RaggedKVCacheInputSymbols": "pagedkv.params.symbols",
+    "PaddedKVCacheInputSymbols": "pagedkv.params.symbols",
+    "MultiKVCacheInputSymbols": "pagedkv.params.symbols",
     "InsufficientBlocksError": "pagedkv.core.errors",
     "IntegrityError": "pagedkv.core.errors",
     "MissingPagesError": "pagedkv.core.errors",
@@ -68,7 +68,6 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from pagedkv.connector_config import KVConnectorConfig
     from pagedkv.core.block_manager import BlockManager
     from pagedkv.core.context import Retention, TextContext, TokenBuffer
     from pagedkv.core.errors import InsufficientBlocksError, IntegrityError, MissingPagesError
@@ -86,13 +85,22 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from pagedkv.manager.base import KVCacheManager
     from pagedkv.manager.continuous import ContinuousBatchingKVCacheManager
     from pagedkv.manager.paged import PagedKVCacheManager
-    from pagedkv.multi_params import MultiKVCacheParams
-    from pagedkv.params import (
+    from pagedkv.params.connector import KVConnectorConfig
+    from pagedkv.params.kv import (
         BatchCharacteristics,
         KVCacheParamInterface,
         KVCacheParams,
         KVCacheQuantizationConfig,
         KVConnectorType,
+    )
+    from pagedkv.params.multi import MultiKVCacheParams
+    from pagedkv.params.state import StateCacheParams
+    from pagedkv.params.symbols import (
+        KVCacheInputSymbols,
+        MultiKVCacheInputSymbols,
+        PaddedKVCacheInputSymbols,
+        RaggedKVCacheInputSymbols,
+        TensorSpec,
     )
     from pagedkv.runtime.buffers import KVCacheBuffer, KVCacheMemory, MultiKVCacheBuffer, ReplicatedKVCacheMemory
     from pagedkv.runtime.inputs import (
@@ -105,11 +113,3 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     )
     from pagedkv.runtime.state_buffers import StateCacheBuffer
     from pagedkv.specs import MambaSpec
-    from pagedkv.state_params import StateCacheParams
-    from pagedkv.symbols import (
-        KVCacheInputSymbols,
-        MultiKVCacheInputSymbols,
-        PaddedKVCacheInputSymbols,
-        RaggedKVCacheInputSymbols,
-        TensorSpec,
-    )

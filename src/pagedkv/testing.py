@@ -1,6 +1,8 @@
-"""`PrefixStampModel`: a fake model that proves a cache never serves the wrong KV.
+"""Models for testing what is built on pagedkv: `PrefixStampModel`, a fake model that proves a cache never
+serves the wrong KV, and `build_llama` / `build_demo_model`, small Llama-style transformers models with
+seeded random weights (no download) that the demos, the benchmarks and `pagedkv engine` serve.
 
-For every token it runs, it writes into the page slot the lookup table names
+`PrefixStampModel`: for every token it runs, it writes into the page slot the lookup table names
 a value derived from the token's whole prefix (K = f(prefix), V = f(prefix) + 1,
 on every layer, head and shard). Before writing, it checks that every cached
 position of every request already holds the value of *that request's* prefix.
@@ -17,14 +19,17 @@ that a slot it continues from (``has_initial_state``) holds its own prefix's.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from pagedkv.core.context import TextContext
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.params import KVCacheParams
+from pagedkv.params.kv import KVCacheParams
 from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs, StateCacheInputs
+
+__all__ = ["PrefixStampModel", "build_demo_model", "build_llama", "prefix_values"]
 
 _MOD = (1 << 24) - 3  # values stay exact in float32
 
@@ -184,3 +189,24 @@ def _readable(positions: torch.Tensor, first_query: int, params: KVCacheParams |
         return positions // params.attention_chunk_size == first_query // params.attention_chunk_size
     assert params.sliding_window is not None
     return (positions > first_query - params.sliding_window) | (positions < params.sink_tokens)
+
+
+def build_llama(seed: int = 0, attn_implementation: str = "eager", **config: Any) -> Any:
+    """A Llama-style causal LM from `config` (`LlamaConfig` fields) with seeded random weights, no
+    BOS/EOS (every request generates its `max_new_tokens`), pad id 0, in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields: dict[str, Any] = dict(eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    fields.update(config)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM._from_config(LlamaConfig(**fields), attn_implementation=attn_implementation)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def build_demo_model(seed: int = 0, attn_implementation: str = "eager") -> Any:
+    """A 4-layer Llama-style model (hidden 128, GQA 8:2 heads, vocab 512) with seeded random weights."""
+    return build_llama(
+        seed, attn_implementation, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1,
+    )  # fmt: skip

@@ -10,7 +10,7 @@ import pytest
 import xxhash
 
 from pagedkv.core.hashing import PrefixHasher, hash_tokens, root_digest
-from pagedkv.deployment_seed import deployment_seed
+from pagedkv.params.deployment_seed import deployment_seed
 
 
 def reference_sha256_chain(

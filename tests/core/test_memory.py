@@ -16,8 +16,8 @@ from pagedkv.core.memory import (
     infer_optimal_batch_size,
 )
 from pagedkv.dtype import DeviceRef, DType
-from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheQuantizationConfig
+from pagedkv.params.multi import MultiKVCacheParams
 
 GiB = 1024**3
 MiB_PAGE = make_params(n_kv_heads=8, head_dim=128, num_layers=1, page_size=128)  # 1 MiB per page
@@ -93,8 +93,8 @@ def test_host_pages() -> None:
 
 
 def _state_tree(caching: bool = True, cap: int | None = None, attention: bool = True) -> MultiKVCacheParams:
+    from pagedkv.params.state import StateCacheParams
     from pagedkv.specs import MambaSpec
-    from pagedkv.state_params import StateCacheParams
 
     devices = [DeviceRef.CPU()]
     shared = dict(page_size=4, enable_prefix_caching=caching, max_state_checkpoints=cap)

@@ -106,7 +106,7 @@ def test_abort_checks_every_id_first() -> None:
 
 
 def test_abort_a_swapped_out_request_gives_its_host_rows_back() -> None:
-    from pagedkv.demo import build_demo_model
+    from pagedkv.testing import build_demo_model
 
     eng = LLMEngine.from_hf(build_demo_model(), page_size=8, num_pages=40, max_num_batched_tokens=128,
                             kv_connector="local", host_kvcache_swap_space_gb=0.01, total_num_host_pages=64)  # fmt: skip

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from pagedkv.bench.fp8_bench import SETTINGS, teacher_forced_logits
-from pagedkv.demo import DemoWorkload, build_demo_model
+from pagedkv.demos.engine import DemoWorkload
 from pagedkv.engine import LLMEngine
+from pagedkv.testing import build_demo_model
 
 
 def test_fp8_cache_stays_close_to_bf16() -> None:

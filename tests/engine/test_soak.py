@@ -1,7 +1,7 @@
 """The soak, short: 1200 requests through a tiered (host + disk) and a redis (host + a real
 redis-server) engine over one tiny Llama, every token checked against transformers, memory, fds,
-threads and pages sampled after each drain (`pagedkv.bench.soak`; the full run is
-`pagedkv bench soak`, 20000 requests).
+threads and pages sampled after each drain (`benchmarks.soak`; the full run is
+`python -m benchmarks.soak`, 20000 requests).
 
 Without `redis-server` on PATH the test skips, unless PAGEDKV_REQUIRE_REDIS=1 (CI), where it fails."""
 
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "offload"))
 
 from redis_server import require_binary  # noqa: E402
 
-from pagedkv.bench import soak  # noqa: E402
+from benchmarks import soak  # noqa: E402
 
 REQUESTS = 1200
 
@@ -62,9 +62,9 @@ def test_soak_serves_exact_tokens_and_leaks_nothing(result: dict[str, Any]) -> N
 
 def test_soak_cli_handler_writes_json_and_exit_status(result: dict[str, Any], tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:  # fmt: skip
-    from pagedkv.cli import parser
+    from benchmarks.command import parser
 
-    args = parser().parse_args(["bench", "soak", "--requests", "7", "--json", str(tmp_path / "out" / "soak.json")])
+    args = parser("benchmarks.soak").parse_args(["--requests", "7", "--json", str(tmp_path / "out" / "soak.json")])
     assert (args.requests, args.wave, args.rss_bound_mib, args.redis_url) == (7, 128, 4.0, None)
     seen: dict[str, Any] = {}
 

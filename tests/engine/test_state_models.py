@@ -25,8 +25,8 @@ from pagedkv.engine import LLMEngine
 from pagedkv.engine.request import Request
 from pagedkv.hf.config import kv_layout
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.multi_params import MultiKVCacheParams
-from pagedkv.state_params import StateCacheParams
+from pagedkv.params.multi import MultiKVCacheParams
+from pagedkv.params.state import StateCacheParams
 
 NEW_TOKENS = 5
 TOLERANCE = 1e-3

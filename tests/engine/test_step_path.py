@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.bench.step_calls import count_step_calls
+from benchmarks.step_calls import count_step_calls
 
 PER_STEP_ONCE = [
     "pagedkv.ops.masks:AttentionOptions.__init__",  # the group's options, built in ForwardContext.build

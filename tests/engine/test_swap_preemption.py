@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedkv.demo import build_demo_model
 from pagedkv.engine import LLMEngine
+from pagedkv.testing import build_demo_model
 
 HOST = dict(kv_connector="local", host_kvcache_swap_space_gb=0.01, total_num_host_pages=64)
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hf_models import build, hf_greedy
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.engine import LLMEngine
+from pagedkv.params.connector import KVConnectorConfig
 
 PROMPTS = [list(range(3, 40)), list(range(3, 33)) + [50, 51, 52], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69]]
 NEW = 5

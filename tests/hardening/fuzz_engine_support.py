@@ -1,6 +1,6 @@
 """Parts of the engine machine (`test_stateful_engine.EngineMachine`) shared with its plain tests.
 
-- The model and its shadow: `CONFIG` (a tiny fp32 Llama for `pagedkv.demo.build_llama`), `PREFIXES`
+- The model and its shadow: `CONFIG` (a tiny fp32 Llama for `pagedkv.testing.build_llama`), `PREFIXES`
   (shared system prompts), `ATOL` (the logits tolerance, argued below), and `reference(seed, prompt)`:
   greedy tokens and logits of transformers itself with no cache, computed once per (weights, prompt).
 - What the installed engine supports (`HAS_SALT`, `HAS_UPDATE`, `HAS_VERSION`), `CONNECTORS` and
@@ -35,10 +35,10 @@ from fuzz_support import (
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
-from pagedkv.demo import build_llama
 from pagedkv.engine import LLMEngine
 from pagedkv.engine.request import Request
 from pagedkv.params import KVCacheParams
+from pagedkv.testing import build_llama
 
 CONFIG = dict(
     vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -34,8 +34,8 @@ for _sub in ("manager", "offload"):  # test_stateful (ManagerMachine) and redis_
     if str(_TESTS / _sub) not in sys.path:
         sys.path.append(str(_TESTS / _sub))
 
-from pagedkv.connector_config import KVConnectorConfig  # noqa: E402
 from pagedkv.offload import format as page_format  # noqa: E402
+from pagedkv.params.connector import KVConnectorConfig  # noqa: E402
 from pagedkv.testing import prefix_values  # noqa: E402
 
 T = TypeVar("T")

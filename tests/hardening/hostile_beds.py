@@ -18,11 +18,11 @@ import torch
 from hostile_support import CPU, LOCAL, Pages, Trial, manager, mgr_state, params, running
 
 from pagedkv import ops
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.context import TextContext
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams
+from pagedkv.params.connector import KVConnectorConfig
+from pagedkv.params.multi import MultiKVCacheParams
 from pagedkv.runtime.inputs import RaggedKVCacheInputs
 
 
@@ -90,8 +90,8 @@ TINY_LLAMA = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidde
 
 def engine(nan_weights: bool = False, **params_kwargs: Any) -> Any:
     """A fresh `LLMEngine` over a 1-layer Llama (vocab 64) and 16 pages of 4 tokens."""
-    from pagedkv.demo import build_llama
     from pagedkv.engine import LLMEngine
+    from pagedkv.testing import build_llama
 
     model = build_llama(0, **TINY_LLAMA)
     if nan_weights:  # every key of layer 0 becomes NaN

@@ -35,14 +35,14 @@ from hostile_support import (
     params,
 )
 
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.block_manager import BlockManager
 from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError, MissingPagesError
 from pagedkv.core.hashing import hash_tokens
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import BatchCharacteristics
+from pagedkv.params.connector import KVConnectorConfig
+from pagedkv.params.multi import MultiKVCacheParams
 
 REDIS = dict(
     enable_prefix_caching=True,

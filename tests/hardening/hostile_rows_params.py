@@ -29,8 +29,8 @@ from hostile_support import (
     params,
 )
 
-from pagedkv.connector_config import KVConnectorConfig
-from pagedkv.multi_params import MultiKVCacheParams
+from pagedkv.params.connector import KVConnectorConfig
+from pagedkv.params.multi import MultiKVCacheParams
 from pagedkv.runtime.buffers import KVCacheBuffer
 
 C = Case

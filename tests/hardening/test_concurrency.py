@@ -25,10 +25,10 @@ import torch
 
 from helpers import make_params
 from offload.redis_server import RedisServer
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.context import TextContext
 from pagedkv.core.hashing import hash_tokens
 from pagedkv.manager.paged import PagedKVCacheManager
+from pagedkv.params.connector import KVConnectorConfig
 from pagedkv.testing import PrefixStampModel
 
 PREFIXES = [list(range(1 + 50 * g, 41 + 50 * g)) for g in range(4)]  # 4 shared 40-token prefixes

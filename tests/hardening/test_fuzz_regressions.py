@@ -21,13 +21,12 @@ from fuzz_engine_support import ATOL, CONFIG, PREFIXES, reference
 from fuzz_support import check_request_kv, disk_page_files, forge, hmac_kwargs
 from test_stateful import layout_params
 
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.demo import build_llama
 from pagedkv.engine import LLMEngine
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.testing import PrefixStampModel
+from pagedkv.params.connector import KVConnectorConfig
+from pagedkv.testing import PrefixStampModel, build_llama
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -18,10 +18,10 @@ import pytest
 
 from helpers import make_params
 from offload.redis_server import RedisServer
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.context import TextContext
 from pagedkv.dtype import DeviceRef
 from pagedkv.manager.paged import PagedKVCacheManager
+from pagedkv.params.connector import KVConnectorConfig
 from pagedkv.testing import PrefixStampModel
 
 PROMPT = list(range(1, 30))  # 29 tokens, page 4: 7 full prompt pages

@@ -1,7 +1,7 @@
 """Stateful fuzzing of the whole serving stack: `LLMEngine` + manager + host/disk/Redis tiers, checked
 against transformers itself.
 
-Each example serves a tiny fp32 Llama (`pagedkv.demo.build_llama`) with `LLMEngine.from_hf` on a small
+Each example serves a tiny fp32 Llama (`pagedkv.testing.build_llama`) with `LLMEngine.from_hf` on a small
 device pool with a tier below it ("tiered": host rows + page files in a temporary directory under a
 small cap; "redis": the module's redis-server, a key prefix of its own, with or without host rows),
 chunked prefill under a small token budget, swap or recompute preemption. Each example starts warm (a
@@ -76,10 +76,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pagedkv.connector_config import KVConnectorConfig
-from pagedkv.demo import build_llama
 from pagedkv.engine import LLMEngine
 from pagedkv.engine.request import Request
+from pagedkv.params.connector import KVConnectorConfig
+from pagedkv.testing import build_llama
 
 
 @pytest.fixture(scope="module", autouse=True)

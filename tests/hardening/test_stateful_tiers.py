@@ -71,10 +71,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 from test_stateful import ManagerMachine, layout_params
 
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.context import TextContext
 from pagedkv.core.pool import EVICTION_POLICIES
 from pagedkv.manager.paged import PagedKVCacheManager
+from pagedkv.params.connector import KVConnectorConfig
 from pagedkv.testing import PrefixStampModel
 
 CONNECTORS = ["local", "tiered", *(["redis"] if REDIS else [])]

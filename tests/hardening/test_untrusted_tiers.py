@@ -29,7 +29,6 @@ import pytest
 
 from helpers import make_params
 from offload.redis_server import RedisServer
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.context import TextContext
 from pagedkv.core.hashing import hash_tokens
 from pagedkv.manager.paged import PagedKVCacheManager
@@ -37,6 +36,7 @@ from pagedkv.offload.disk import DiskTier
 from pagedkv.offload.format import HEADER_SIZE, encode_header, key_id, tier_namespace
 from pagedkv.offload.redis_tier import RedisTier
 from pagedkv.offload.tier import LowerTier
+from pagedkv.params.connector import KVConnectorConfig
 from pagedkv.testing import PrefixStampModel
 
 PROMPT = list(range(1, 30))

@@ -174,9 +174,9 @@ def test_importing_the_package_imports_neither_vllm_nor_torch_nor_redis() -> Non
 def test_the_tiers_keep_each_signing_key_in_a_namespace_of_its_own(tmp_path: Path) -> None:
     """The connector's tiers name pages as every pagedkv tier does: the layout fingerprint, then the key id of a
     signing key, so engines with another key (or none) never look up, refuse or write the deployment's pages."""
-    from pagedkv.connector_config import KVConnectorConfig
     from pagedkv.integrations.vllm.tiers import TierSet
     from pagedkv.offload.format import key_id
+    from pagedkv.params.connector import KVConnectorConfig
 
     fingerprint = BlockLayout(**LAYOUT).fingerprint(0)  # type: ignore[arg-type]
     names = []

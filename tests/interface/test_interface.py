@@ -31,8 +31,8 @@ from pagedkv.interface import (
     reshape_kv_cache,
     spec_from_params,
 )
-from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams
+from pagedkv.params.multi import MultiKVCacheParams
 
 BF16 = DType.bfloat16
 FULL = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=BF16)

@@ -18,7 +18,7 @@ from pagedkv.interface import (
     unify_state_block_size,
 )
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.state_params import StateCacheParams
+from pagedkv.params.state import StateCacheParams
 
 # a Qwen3.5-shaped gated delta net layer at TP 1: conv (2*16*128 + 32*128, K-1 = 3) bf16, state (32, 128, 128) fp32
 GDN = dict(shapes=((8192, 3), (32, 128, 128)), dtypes=(torch.bfloat16, torch.float32), mamba_type="gdn_attn")

@@ -12,12 +12,12 @@ import torch
 
 from helpers import ctx
 from pagedkv import DeviceRef, DType, KVCacheParams, MultiKVCacheParams, PagedKVCacheManager
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.context import TextContext
 from pagedkv.core.state.checkpoints import checkpoint_key
 from pagedkv.interface import MambaSpec
+from pagedkv.params.connector import KVConnectorConfig
+from pagedkv.params.state import StateCacheParams
 from pagedkv.runtime.state_buffers import StateCacheBuffer
-from pagedkv.state_params import StateCacheParams
 
 CPU = DeviceRef.CPU()
 NEW = 3  # tokens each request generates: its release keeps a checkpoint at prompt + NEW - 1

@@ -14,8 +14,8 @@ from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.continuous import ContinuousBatchingKVCacheManager
 from pagedkv.params import KVCacheParams, KVCacheQuantizationConfig
+from pagedkv.params.symbols import PaddedKVCacheInputSymbols, RaggedKVCacheInputSymbols
 from pagedkv.runtime.inputs import PaddedKVCacheInputs, RaggedKVCacheInputs
-from pagedkv.symbols import PaddedKVCacheInputSymbols, RaggedKVCacheInputSymbols
 
 CPU2 = [DeviceRef.CPU(), DeviceRef.CPU()]
 # fp32, 2 layers, 2 heads of dim 2: 2 (K, V) * 2 * 2 * 2 * 4 bytes = 64 bytes per token.

@@ -10,8 +10,8 @@ from helpers import ctx, make_params
 from pagedkv.core.errors import InsufficientBlocksError, IntegrityError
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheQuantizationConfig
+from pagedkv.params.multi import MultiKVCacheParams
 from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs
 from pagedkv.testing import PrefixStampModel
 

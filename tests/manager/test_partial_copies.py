@@ -12,8 +12,8 @@ from helpers import ctx, make_params
 from pagedkv.core.context import TextContext
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheQuantizationConfig
+from pagedkv.params.multi import MultiKVCacheParams
 
 CPU = DeviceRef.CPU()
 FP8 = dict(dtype=DType.float8_e4m3fn, kvcache_quant_config=KVCacheQuantizationConfig(DType.float32, 2))

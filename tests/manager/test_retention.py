@@ -9,7 +9,7 @@ from helpers import make_params
 from pagedkv.core.context import Retention, TextContext
 from pagedkv.dtype import DeviceRef
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
+from pagedkv.params.multi import KVCacheParamInterface, MultiKVCacheParams
 
 
 def manager(num_pages: int, window: int | None = None, **kwargs: object) -> PagedKVCacheManager:

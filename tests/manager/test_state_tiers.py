@@ -39,12 +39,12 @@ from state_tiers_support import (
 
 from helpers import ctx
 from pagedkv import DType, KVCacheParams, MultiKVCacheParams, PagedKVCacheManager
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.interface import MambaSpec
 from pagedkv.manager.tier_link import tier_key
 from pagedkv.offload.format import HEADER_SIZE, key_bytes
 from pagedkv.offload.staged_loads import LoadCopyError
-from pagedkv.state_params import StateCacheParams
+from pagedkv.params.connector import KVConnectorConfig
+from pagedkv.params.state import StateCacheParams
 
 
 # ----------------------------------------------------------------- a warm restart from disk

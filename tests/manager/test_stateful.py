@@ -21,10 +21,10 @@ from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.pool import EVICTION_POLICIES
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams
+from pagedkv.params.multi import MultiKVCacheParams
+from pagedkv.params.state import StateCacheParams
 from pagedkv.specs import MambaSpec
-from pagedkv.state_params import StateCacheParams
 from pagedkv.testing import PrefixStampModel
 
 CPU = DeviceRef.CPU()

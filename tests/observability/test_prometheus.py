@@ -12,10 +12,10 @@ prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from helpers import ctx, make_params  # noqa: E402
-from pagedkv.core.tier_stats import LATENCY_BUCKETS  # noqa: E402
 from pagedkv.dtype import DeviceRef  # noqa: E402
 from pagedkv.manager.paged import PagedKVCacheManager  # noqa: E402
 from pagedkv.observability import PagedKVCollector, start_metrics_server  # noqa: E402
+from pagedkv.offload.tier_stats import LATENCY_BUCKETS  # noqa: E402
 from pagedkv.testing import PrefixStampModel  # noqa: E402
 
 CPU = DeviceRef.CPU()

@@ -12,7 +12,7 @@ from pagedkv import DeviceRef, DType, KVCacheParams, MultiKVCacheParams, PagedKV
 from pagedkv.core import events as ev
 from pagedkv.core.state.checkpoints import checkpoint_key
 from pagedkv.interface import MambaSpec
-from pagedkv.state_params import StateCacheParams
+from pagedkv.params.state import StateCacheParams
 
 PS = 4
 

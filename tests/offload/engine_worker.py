@@ -18,9 +18,9 @@ import sys
 import time
 from typing import Any
 
-from pagedkv.connector_config import KVConnectorConfig
-from pagedkv.demo import build_demo_model
 from pagedkv.engine import LLMEngine
+from pagedkv.params.connector import KVConnectorConfig
+from pagedkv.testing import build_demo_model
 
 PAGE_SIZE = 8
 

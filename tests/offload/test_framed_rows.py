@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from redis_server import RedisServer
 
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.offload.disk import DiskTier
 from pagedkv.offload.format import HEADER_SIZE, encode_header
 from pagedkv.offload.redis_tier import RedisTier
 from pagedkv.offload.tier import LowerTier
+from pagedkv.params.connector import KVConnectorConfig
 
 ROW = 3 * 4096
 FINGERPRINT = b"f" * 16

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from helpers import ctx, make_params, serve
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheQuantizationConfig
+from pagedkv.params.connector import KVConnectorConfig
+from pagedkv.params.multi import MultiKVCacheParams
 from pagedkv.runtime.buffers import ReplicatedKVCacheMemory
 from pagedkv.testing import PrefixStampModel
 

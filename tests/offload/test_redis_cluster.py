@@ -14,10 +14,10 @@ from redis_server import free_port
 from test_host_tier import keys, pages, scramble
 from test_redis_tier import PROMPT, config, connector, engine_process, manager, wait_available
 
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.hashing import hash_tokens
 from pagedkv.offload.format import HEADER_SIZE
 from pagedkv.offload.redis_tier import RedisTier
+from pagedkv.params.connector import KVConnectorConfig
 
 NAMES = "abcdefghij"
 

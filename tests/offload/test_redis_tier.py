@@ -17,15 +17,15 @@ from test_host_tier import keys, pages, scramble
 from tier_worker import serve
 
 from helpers import make_params
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.events import BlockRemoved
 from pagedkv.core.hashing import hash_tokens
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.offload.connector import KVConnector
 from pagedkv.offload.format import HEADER_SIZE
 from pagedkv.params import KVCacheQuantizationConfig
+from pagedkv.params.connector import KVConnectorConfig
+from pagedkv.params.multi import MultiKVCacheParams
 from pagedkv.testing import PrefixStampModel
 
 CPU = DeviceRef.CPU()

@@ -27,9 +27,9 @@ from manager.state_tiers_support import (
     state_dir,
     tokens,
 )
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.events import BlockRemoved, BlockStored, KVEventBatch
 from pagedkv.offload.format import HEADER_SIZE, decode_header, key_bytes
+from pagedkv.params.connector import KVConnectorConfig
 
 KEY = b"deployment-secret-0123456789"
 OTHER_STATE = ((3, 6), (2, 4, 8))  # as many bytes per row as STATE, another layout

@@ -21,9 +21,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helpers import make_params  # noqa: E402
-from pagedkv.connector_config import KVConnectorConfig  # noqa: E402
 from pagedkv.core.context import TextContext  # noqa: E402
 from pagedkv.manager.paged import PagedKVCacheManager  # noqa: E402
+from pagedkv.params.connector import KVConnectorConfig  # noqa: E402
 from pagedkv.testing import PrefixStampModel  # noqa: E402
 
 

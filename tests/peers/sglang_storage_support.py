@@ -31,7 +31,7 @@ def sglang() -> SimpleNamespace:
     if _SGLANG:
         return _SGLANG[0]
     try:
-        from pagedkv.bench.compare.peers import ensure_torchvision_ops
+        from benchmarks.compare.peers import ensure_torchvision_ops
 
         ensure_torchvision_ops()
         with warnings.catch_warnings():

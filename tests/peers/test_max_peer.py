@@ -1,4 +1,4 @@
-"""Modular MAX 26.3's `PagedKVCacheManager` as the `bench compare` peer "max", driven by its worker.
+"""Modular MAX 26.3's `PagedKVCacheManager` as the `benchmarks.compare` peer "max", driven by its worker.
 
 Run in `.venv-peers` (`make test-peers`): the worker process runs in `.venv-max` (or
 ``$PAGEDKV_MAX_PYTHON``). Where that environment is missing the tests skip, unless
@@ -30,12 +30,12 @@ import numpy as np
 import pytest
 from test_peer_adapters import _conversation, _shared_prefix_trace, _tokens  # (the same traces as the other peers)
 
-from pagedkv.bench.compare.pagedkv_adapter import PagedKVAdapter, compare_params
-from pagedkv.bench.compare.peer_max import MaxWorker
-from pagedkv.bench.compare.peers import PeerUnavailable
-from pagedkv.bench.compare.sim import SimConfig, SimResult, simulate
-from pagedkv.bench.workloads import TraceRequest
-from pagedkv.cli import main
+from benchmarks.command import main
+from benchmarks.compare.pagedkv_adapter import PagedKVAdapter, compare_params
+from benchmarks.compare.peer_max import MaxWorker
+from benchmarks.compare.peers import PeerUnavailable
+from benchmarks.compare.sim import SimConfig, SimResult, simulate
+from pagedkv.workloads.traces import TraceRequest
 
 PAGE = 16
 
@@ -111,9 +111,9 @@ def test_a_tight_pool_preempts_and_completes(worker: MaxWorker) -> None:
 
 def test_bench_compare_has_a_max_column(worker: MaxWorker, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "compare.json"
-    argv = ["bench", "compare", "--workloads", "fewshot", "--requests", "40", "--fractions", "1.0",
+    argv = ["--workloads", "fewshot", "--requests", "40", "--fractions", "1.0",
             "--peers", "max", "--policies", "pagedkv-lru-step", "--no-belady", "--json", str(out)]  # fmt: skip
-    assert main(argv) == 0
+    assert main("benchmarks.compare", argv=argv) == 0
     data = json.loads(out.read_text())
     rows = {r["manager"]: r for r in data["rows"]}
     assert set(rows) == {"pagedkv-lru-step", "max"} and "max" not in data["skipped"]
@@ -124,8 +124,8 @@ def test_bench_compare_has_a_max_column(worker: MaxWorker, tmp_path: Path, capsy
 
 
 def test_plain_decode_steps_are_timed_in_maxs_process(worker: MaxWorker) -> None:
-    """The decode-step figure of `bench compare`: MAX's worker times the same plain decode steps."""
-    from pagedkv.bench.workloads import decode_trace
+    """The decode-step figure of `benchmarks.compare`: MAX's worker times the same plain decode steps."""
+    from pagedkv.workloads.traces import decode_trace
 
     res = worker.replay(64, 4, SimConfig(page_size=4), trace=decode_trace(4, 8))
     assert res.decode_request_steps == 8 * 2 and res.decode_us > 0

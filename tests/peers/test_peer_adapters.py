@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pagedkv.bench.compare.peers import PeerUnavailable, load_peer
-from pagedkv.bench.compare.sim import SimConfig, simulate
-from pagedkv.bench.workloads import TraceRequest
+from benchmarks.compare.peers import PeerUnavailable, load_peer
+from benchmarks.compare.sim import SimConfig, simulate
+from pagedkv.workloads.traces import TraceRequest
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Only CUDA:UserWarning", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
@@ -158,8 +158,8 @@ def test_multi_turn_hits_prompt_and_output_pages(name: str) -> None:
 def test_versions_and_hash_cost() -> None:
     _peer("vllm", num_pages=1)
     _peer("sglang", num_pages=1)
-    from pagedkv.bench.compare.peer_sglang import sglang_version
-    from pagedkv.bench.compare.peer_vllm import vllm_hash_ns_per_token, vllm_version
+    from benchmarks.compare.peer_sglang import sglang_version
+    from benchmarks.compare.peer_vllm import vllm_hash_ns_per_token, vllm_version
 
     assert (vllm_version(), sglang_version()) == ("0.33.0", "0.5.23")
     prompts = [t.tokens[: t.prompt_len] for t in _shared_prefix_trace(n=8)]

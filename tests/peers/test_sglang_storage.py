@@ -167,7 +167,8 @@ def test_keys_carry_the_rank_and_the_layout_fingerprint(redis_server: RedisServe
 
 def _second_process(spec: dict[str, Any]) -> dict[str, Any]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT / "tests"), env.get("PYTHONPATH")]))
+    paths = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT), env.get("PYTHONPATH")]  # (ROOT: benchmarks)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     worker = Path(__file__).with_name("sglang_storage_worker.py")
     result = subprocess.run([sys.executable, str(worker), json.dumps(spec)], capture_output=True, text=True, env=env,
                             timeout=300)  # fmt: skip

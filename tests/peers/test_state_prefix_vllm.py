@@ -1,4 +1,4 @@
-"""`pagedkv bench state-prefix` with vLLM's hybrid peer: same model, same bytes (runs in `.venv-peers`).
+"""`python -m benchmarks.compare.state_prefix` with vLLM's hybrid peer: same model, same bytes (runs in `.venv-peers`).
 
 Skips where vLLM does not import, fails instead under PAGEDKV_REQUIRE_PEERS=1 (as the other peer tests)."""
 
@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from pagedkv.bench.compare.pagedkv_hybrid import gdn_spec, hybrid_params
-from pagedkv.bench.compare.peer_vllm_hybrid import VllmHybridAdapter
-from pagedkv.bench.compare.peers import PeerUnavailable
-from pagedkv.bench.compare.state_prefix import format_markdown, run_state_prefix
+from benchmarks.compare.pagedkv_hybrid import gdn_spec, hybrid_params
+from benchmarks.compare.peer_vllm_hybrid import VllmHybridAdapter
+from benchmarks.compare.peers import PeerUnavailable
+from benchmarks.compare.state_prefix import format_markdown, run_state_prefix
 from pagedkv.core.memory import state_row_bytes
 
 BLOCK_BYTES = 8 * 528 * 4096  # vLLM's block: the 528-token unified page x 8 layers per group slot

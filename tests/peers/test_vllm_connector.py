@@ -119,8 +119,8 @@ def test_engine_in_another_process_of_another_layout_loads_bit_identical(model: 
     spec = {"model": model, "extra": extra, "layout": "LBNHC", "prompts": [PROMPT, other],
             "out": str(tmp_path / "child.pt")}  # fmt: skip
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
-                                                         str(Path(__file__).parents[1])])}  # fmt: skip
+    root = Path(__file__).parents[2]  # src (pagedkv), tests (helpers), the root (benchmarks: the peers' import shim)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root / "tests"), str(root)])}
     child = subprocess.run([sys.executable, str(Path(__file__).parent / "vllm_engine.py"), str(tmp_path / "spec.json")],
                            capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     assert child.returncode == 0, child.stderr[-3000:]

@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pagedkv.bench.compare.peers import PeerUnavailable, load_peer
-from pagedkv.bench.compare.sim import SimConfig, simulate
-from pagedkv.bench.workloads import TraceRequest
+from benchmarks.compare.peers import PeerUnavailable, load_peer
+from benchmarks.compare.sim import SimConfig, simulate
+from pagedkv.workloads.traces import TraceRequest
 
 BLOCK = 528
 PAGE_BYTES = 2_162_688
@@ -84,7 +84,7 @@ def test_block_size_page_and_bytes() -> None:
     b = type(a).from_bytes(gib10)
     assert (b.num_pages, b.kv_cache_config.num_blocks) == (619, 620)
     with pytest.raises(ValueError):
-        _adapter(num_pages=10, page_size=16)  # `bench compare`'s 16-token pages are not this model's blocks
+        _adapter(num_pages=10, page_size=16)  # `benchmarks.compare`'s 16-token pages are not this model's blocks
 
 
 def test_flashinfer_gdn_prefill_sizes() -> None:
@@ -126,7 +126,7 @@ def test_block_size_is_vllms_align_hybrid_block_size(
     from vllm.platforms.interface import Platform
     from vllm.v1.attention.backend import MultipleOf
 
-    from pagedkv.bench.compare.peer_vllm_hybrid import HybridShape, _plan, align_hybrid_block_size
+    from benchmarks.compare.peer_vllm_hybrid import HybridShape, _plan, align_hybrid_block_size
 
     model_cls: Any
     try:

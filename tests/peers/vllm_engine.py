@@ -35,7 +35,7 @@ BLOCK = 16
 def vllm_or_skip() -> Any:
     """vLLM's modules (skips without vLLM; fails under PAGEDKV_REQUIRE_PEERS=1)."""
     try:
-        from pagedkv.bench.compare.peers import ensure_torchvision_ops
+        from benchmarks.compare.peers import ensure_torchvision_ops
 
         ensure_torchvision_ops()
         import vllm.model_executor.models.registry as registry

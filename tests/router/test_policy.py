@@ -139,7 +139,7 @@ def test_policy_arguments_are_checked() -> None:
 
 
 def test_bench_decision_latency_runs_small() -> None:
-    from pagedkv.bench.router_bench import decision_latency
+    from benchmarks.router import decision_latency
 
     result = decision_latency(blocks=300, decisions=20, engines=2)
     assert result["pagedkv sha256 blocks per engine"] == 300 and result["vLLM sha256"] > 0

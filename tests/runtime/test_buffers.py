@@ -7,8 +7,8 @@ import torch
 
 from helpers import make_params
 from pagedkv.dtype import DeviceRef, DType
-from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheParams, KVCacheQuantizationConfig
+from pagedkv.params.multi import MultiKVCacheParams
 from pagedkv.runtime.buffers import (
     KVCacheBuffer,
     KVCacheMemory,

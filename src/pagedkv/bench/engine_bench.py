@@ -11,7 +11,7 @@ import argparse
 from typing import Any
 
 from pagedkv.bench import report
-from pagedkv.demo import DemoWorkload, run_engine
+from pagedkv.demos.engine import DemoWorkload, run_engine
 
 __all__ = ["add_arguments", "command", "format_engine_report", "plots", "run_engine_bench"]
 

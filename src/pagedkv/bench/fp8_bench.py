@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from pagedkv.bench import report
-from pagedkv.demo import DemoWorkload, build_demo_model
+from pagedkv.demos.engine import DemoWorkload
 from pagedkv.dtype import DType
-from pagedkv.params import KVCacheQuantizationConfig
+from pagedkv.params.kv import KVCacheQuantizationConfig
+from pagedkv.testing import build_demo_model
 
 __all__ = [
     "SETTINGS",

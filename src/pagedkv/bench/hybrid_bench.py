@@ -26,17 +26,17 @@ import time
 from typing import Any
 
 from pagedkv.bench import report
-from pagedkv.bench.driver import replay
 from pagedkv.bench.timing import gc_frozen
-from pagedkv.bench.workloads import ideal_hit_rates, shared_prefix_trace
 from pagedkv.core.context import TextContext
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, group_layer_specs
-from pagedkv.interface.bridge import params_from_kv_cache_config
 from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.multi_params import MultiKVCacheParams
-from pagedkv.params import KVCacheParams
+from pagedkv.params.bridge import params_from_kv_cache_config
+from pagedkv.params.kv import KVCacheParams
+from pagedkv.params.multi import MultiKVCacheParams
+from pagedkv.workloads.replay import replay
+from pagedkv.workloads.traces import ideal_hit_rates, shared_prefix_trace
 
 __all__ = ["MODELS", "add_arguments", "command", "format_hybrid_report", "plots", "run_hybrid_bench"]
 

@@ -21,16 +21,16 @@ from typing import Any
 import numpy as np
 
 from pagedkv.bench import report
-from pagedkv.bench.driver import replay
 from pagedkv.bench.timing import gc_paused, hash_ns_per_token
-from pagedkv.bench.workloads import shared_prefix_trace
 from pagedkv.core.hashing import PrefixHasher
 from pagedkv.core.memory import compute_num_device_blocks
 from pagedkv.core.pool import BlockPool
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.continuous import ContinuousBatchingKVCacheManager
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.params import KVCacheParams
+from pagedkv.params.kv import KVCacheParams
+from pagedkv.workloads.replay import replay
+from pagedkv.workloads.traces import shared_prefix_trace
 
 __all__ = ["add_arguments", "command", "format_report", "plots", "run_manager_bench"]
 

@@ -3,20 +3,19 @@
 A bench module returns its figures as a JSON-able dict, renders them with `table`, describes its
 charts as `Plot`s, and its `command` hands all three to `finish`, which prints the tables and
 writes ``--json PATH`` and ``--plots DIR``. matplotlib is imported only when plots are written
-(extra ``pagedkv[bench]``). Progress bars are tqdm's, on a terminal only: a pipe or a log gets
-no carriage returns.
+(extra ``pagedkv[bench]``). `Progress` (`pagedkv.workloads.progress`) is re-exported for the benches.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
+
+from pagedkv.workloads.progress import Progress
 
 __all__ = ["Plot", "Progress", "finish", "table", "write_json", "write_plots"]
 
@@ -96,40 +95,3 @@ def finish(args: argparse.Namespace, text: str, result: dict[str, Any],
     if getattr(args, "plots", None) and plots is not None:
         for path in write_plots(plots(result), args.plots):
             print(f"wrote {path}")
-
-
-class Progress:
-    """A tqdm bar on stderr when it is a terminal, else nothing; call it as ``progress(done, total, note)``.
-
-    It fits every bench's progress callback: ``(done, total)`` or ``(done, total, what just ran)``."""
-
-    def __init__(self, unit: str = "it") -> None:
-        self.unit = unit
-        self.bar: Any = None
-
-    def __call__(self, done: int, total: int, note: str = "") -> None:
-        if not sys.stderr.isatty():
-            return
-        if self.bar is None:
-            try:
-                from tqdm import tqdm
-            except ImportError:  # tqdm comes with pagedkv[bench]; without it, no bar
-                return
-            self.bar = tqdm(total=total, unit=self.unit, file=sys.stderr, dynamic_ncols=True, leave=True)
-        self.bar.total = total
-        self.bar.update(done - self.bar.n)
-        if note:
-            self.bar.set_postfix_str(note, refresh=False)
-        self.bar.refresh()
-
-    def close(self) -> None:
-        """End the bar (its line stays)."""
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()

@@ -36,9 +36,9 @@ from pagedkv.core.context import TextContext
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.interface import FullAttentionSpec, KVCacheSpec, MambaSpec, get_kv_cache_config
 from pagedkv.manager.hybrid import make_block_manager
-from pagedkv.multi_params import MultiKVCacheParams
-from pagedkv.params import KVCacheParams
-from pagedkv.state_params import StateCacheParams
+from pagedkv.params.kv import KVCacheParams
+from pagedkv.params.multi import MultiKVCacheParams
+from pagedkv.params.state import StateCacheParams
 
 __all__ = [
     "add_arguments", "command", "format_state_report", "memory_figures", "run_state_bench", "throughput", "warm_turn",

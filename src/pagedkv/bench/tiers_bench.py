@@ -41,7 +41,7 @@ from urllib.parse import urlsplit, urlunsplit
 from pagedkv.bench import report
 from pagedkv.bench.tiers_cases import DiskCase, HostCase, TierCase
 from pagedkv.dtype import DeviceRef, DType
-from pagedkv.params import KVCacheParams
+from pagedkv.params.kv import KVCacheParams
 
 __all__ = [
     "SHAPES",

@@ -21,7 +21,7 @@ from pagedkv.offload.disk import DiskTier
 from pagedkv.offload.factory import create_connector
 from pagedkv.offload.format import HEADER_SIZE, encode_header
 from pagedkv.offload.transfer import PageMover
-from pagedkv.params import KVCacheParams, KVConnectorType
+from pagedkv.params.kv import KVCacheParams, KVConnectorType
 
 __all__ = ["DiskCase", "HostCase", "TierCase", "drop_page_cache", "random_rows"]
 

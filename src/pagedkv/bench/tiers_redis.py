@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from pagedkv.bench.tiers_cases import FINGERPRINT, HASH_ALGO, DiskTierCase
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.offload.format import HEADER_SIZE
+from pagedkv.params.connector import KVConnectorConfig
 
 __all__ = ["RedisCase", "RedisServer", "redis_unavailable", "start_redis"]
 

@@ -36,7 +36,7 @@ LABELS = {
 
 def build_model(spec: dict[str, Any]) -> Any:
     """The seeded Llama-style model of `spec` (fp32, eval mode)."""
-    from pagedkv.demo import build_llama
+    from pagedkv.testing import build_llama
 
     hidden, heads = spec["hidden"], spec["heads"]
     return build_llama(
@@ -56,8 +56,8 @@ def prompts(spec: dict[str, Any]) -> list[list[int]]:
 
 def engine_for(model: Any, spec: dict[str, Any], mode: str) -> Any:
     """A fresh engine: the tier of `mode` ("disk*", "redis") under this run's names, or no connector."""
-    from pagedkv.connector_config import KVConnectorConfig
     from pagedkv.engine import LLMEngine
+    from pagedkv.params.connector import KVConnectorConfig
 
     pages = -(-(spec["prompt_len"] + spec["new_tokens"]) // 16) * 2
     kwargs: dict[str, Any] = {}

@@ -17,7 +17,7 @@ from pagedkv.core.hashing import check_seed
 from pagedkv.core.hybrid_state import HybridRequest
 from pagedkv.core.pool import BlockPool
 from pagedkv.core.tables import RequestPages
-from pagedkv.validation import INT32_MAX, check_int
+from pagedkv.params.validation import INT32_MAX, check_int
 
 __all__ = ["check_hybrid_tables", "check_manager_args", "check_swap_restore", "check_tables"]
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.core.hashing import check_salt
-from pagedkv.validation import as_token_array
+from pagedkv.params.validation import as_token_array
 
 __all__ = ["TokenBuffer", "TextContext", "RequestID", "Retention", "as_token_array", "check_request_id"]
 

@@ -8,7 +8,7 @@ For page i holding tokens ``t[i*P:(i+1)*P]`` (as little-endian int32)::
     base = seed                                  (no weights version: MAX's chain)
          = SHA256("pagedkv-weights" || 0x00 || seed || utf8(version))
 
-``seed`` is the deployment's secret (`pagedkv.deployment_seed`; 32 zero
+``seed`` is the deployment's secret (`pagedkv.params.deployment_seed`; 32 zero
 bytes when none is given to these functions). Because every digest folds
 in its parent, equal keys mean equal whole prefixes, not just equal pages,
 and requests of different tenants (salts) or different weights versions
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedkv.validation import as_token_array, check_int
+from pagedkv.params.validation import as_token_array, check_int
 
 BlockHash = bytes | int
 """A prefix-cache key: bytes (sha256, xxh3_128) or a signed 64-bit int (sha256_64)."""
@@ -267,7 +267,7 @@ def hash_tokens(
     check_seed("seed", seed)
     check_salt(cache_salt)
     if seed is None:
-        from pagedkv.deployment_seed import deployment_seed
+        from pagedkv.params.deployment_seed import deployment_seed
 
         seed = deployment_seed()
     hasher = PrefixHasher(algo, page_size, seed, memo_pages=0, version=version)

@@ -22,9 +22,9 @@ import math
 
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.groups import FullAttentionManager, MLAAttentionManager, manager_for
-from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
-from pagedkv.params import KVCacheParams, KVConnectorType
-from pagedkv.validation import check_int
+from pagedkv.params.kv import KVCacheParams, KVConnectorType
+from pagedkv.params.multi import KVCacheParamInterface, MultiKVCacheParams
+from pagedkv.params.validation import check_int
 
 __all__ = [
     "ROW_ALIGN",

@@ -12,7 +12,7 @@ import numpy as np
 from pagedkv.core.context import TextContext
 from pagedkv.core.errors import MissingPagesError
 from pagedkv.core.hashing import BlockHash, PrefixHasher
-from pagedkv.validation import INT32_MAX, check_int
+from pagedkv.params.validation import INT32_MAX, check_int
 
 __all__ = ["RequestPages", "BatchTables", "SwappedRequest", "assemble_tables", "build_tables", "check_batch",
            "claimed_state", "claimed_states", "lut_columns", "more_keys", "required_pages"]  # fmt: skip

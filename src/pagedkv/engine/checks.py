@@ -22,8 +22,8 @@ from pagedkv.engine.sampling import SamplingParams
 from pagedkv.hf.mixers import adapter_for
 from pagedkv.hf.support import state_modules
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.state_params import StateCacheParams
-from pagedkv.validation import INT32_MAX, check_int
+from pagedkv.params.state import StateCacheParams
+from pagedkv.params.validation import INT32_MAX, check_int
 
 __all__ = ["check_fits", "check_prompts", "check_request"]
 

@@ -33,9 +33,9 @@ from pagedkv.hf import encoder_decoder as ed
 from pagedkv.hf.attention import register
 from pagedkv.hf.context import ATTENTION_NAME, ForwardContext
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.params import KVCacheQuantizationConfig
+from pagedkv.params.kv import KVCacheQuantizationConfig
+from pagedkv.params.validation import INT32_MAX, as_token_array, check_int
 from pagedkv.runtime.inputs import MultiKVCacheInputs, RaggedKVCacheInputs, max_lengths_table
-from pagedkv.validation import INT32_MAX, as_token_array, check_int
 
 __all__ = ["EncoderDecoderEngine", "EncoderDecoderRequest", "encoder_salt"]
 

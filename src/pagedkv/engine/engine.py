@@ -38,11 +38,11 @@ from pagedkv.hf.context import ATTENTION_NAME, ForwardContext, StateContext, act
 from pagedkv.hf.rope import install as install_positions
 from pagedkv.hf.state_layers import install as install_state_layers
 from pagedkv.manager.paged import PagedKVCacheManager
-from pagedkv.params import KVCacheQuantizationConfig
+from pagedkv.params.kv import KVCacheQuantizationConfig
+from pagedkv.params.state import StateCacheParams
+from pagedkv.params.validation import INT32_MAX, check_int, check_weights_version
 from pagedkv.runtime.inputs import MultiKVCacheInputs
 from pagedkv.specs import SchedulerLimits
-from pagedkv.state_params import StateCacheParams
-from pagedkv.validation import INT32_MAX, check_int, check_weights_version
 
 __all__ = ["LLMEngine", "EngineStats"]
 

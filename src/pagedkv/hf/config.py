@@ -32,10 +32,11 @@ import torch
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.hf import alibi
 from pagedkv.hf.support import ATTENTION_KINDS, AttentionLayer, check_config, check_model, kv_shapes, state_modules
-from pagedkv.interface.bridge import params_from_kv_cache_config
 from pagedkv.interface.config import KVCacheConfig, KVCacheGroupSpec, group_layer_specs
-from pagedkv.multi_params import MultiKVCacheParams
-from pagedkv.params import KVCacheParams, KVCacheQuantizationConfig
+from pagedkv.params.bridge import params_from_kv_cache_config
+from pagedkv.params.kv import KVCacheParams, KVCacheQuantizationConfig
+from pagedkv.params.multi import MultiKVCacheParams
+from pagedkv.params.state import StateCacheParams
 from pagedkv.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -45,7 +46,6 @@ from pagedkv.specs import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from pagedkv.state_params import StateCacheParams
 
 __all__ = ["KVLayout", "kv_layout", "kv_params_from_config", "device_ref"]
 

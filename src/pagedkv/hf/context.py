@@ -24,7 +24,7 @@ from pagedkv.hf.mixers.base import StateBatch
 from pagedkv.hf.positions import temperature_correction, uses_temperature_tuning
 from pagedkv.ops.masks import AttentionOptions
 from pagedkv.ops.metadata import PagedMetadata
-from pagedkv.params import KVCacheParams
+from pagedkv.params.kv import KVCacheParams
 from pagedkv.runtime.inputs import RaggedKVCacheInputs, StateCacheInputs
 
 __all__ = [

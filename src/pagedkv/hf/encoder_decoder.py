@@ -37,8 +37,8 @@ from pagedkv.dtype import DType
 from pagedkv.hf.config import KVLayout, device_ref
 from pagedkv.hf.context import ATTENTION_NAME, ForwardContext, GroupContext
 from pagedkv.hf.support import AttentionLayer, check_cache_windows
-from pagedkv.multi_params import MultiKVCacheParams
-from pagedkv.params import KVCacheParams, KVCacheQuantizationConfig
+from pagedkv.params.kv import KVCacheParams, KVCacheQuantizationConfig
+from pagedkv.params.multi import MultiKVCacheParams
 from pagedkv.runtime.inputs import RaggedKVCacheInputs, max_lengths_table
 
 __all__ = [

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from pagedkv.connector_config import cluster_node
+from pagedkv.params.connector import cluster_node
 
 __all__ = ["MAX_IO_THREADS", "TIER_KEYS", "ExtraConfig"]
 

@@ -4,10 +4,10 @@
 of its group). Specs and configs are torch-free frozen dataclasses (`reshape_kv_cache` imports
 torch when called). `params_from_kv_cache_config` / `kv_cache_config_from_params`
 convert between a `KVCacheConfig` and the `MultiKVCacheParams` tree the
-managers take: one child per group.
+managers take: one child per group. They live in `pagedkv.params.bridge`, which builds on this
+package's configs, and load from it on first use (so neither package imports the other when imported).
 """
 
-from pagedkv.interface.bridge import kv_cache_config_from_params, params_from_kv_cache_config, spec_from_params
 from pagedkv.interface.config import (
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -20,6 +20,7 @@ from pagedkv.interface.config import (
     reshape_kv_cache,
     unify_state_block_size,
 )
+from pagedkv.lazy import lazy_exports
 from pagedkv.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -38,6 +39,13 @@ from pagedkv.specs import (
     UniformTypeKVCacheSpecs,
     get_kv_quant_mode,
     kv_cache_uses_per_token_head_scales,
+)
+
+_BRIDGE = "pagedkv.params.bridge"
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {"kv_cache_config_from_params": _BRIDGE, "params_from_kv_cache_config": _BRIDGE, "spec_from_params": _BRIDGE},
+    globals(),
 )
 
 __all__ = [

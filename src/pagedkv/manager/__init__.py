@@ -3,6 +3,7 @@
 from pagedkv.manager.base import KVCacheManager
 from pagedkv.manager.continuous import ContinuousBatchingKVCacheManager
 from pagedkv.manager.paged import PagedKVCacheManager
+from pagedkv.params.symbols import KVCacheInputSymbols
 from pagedkv.runtime.inputs import (
     KVCacheInputs,
     KVCacheInputsSequence,
@@ -10,7 +11,6 @@ from pagedkv.runtime.inputs import (
     PaddedKVCacheInputs,
     RaggedKVCacheInputs,
 )
-from pagedkv.symbols import KVCacheInputSymbols
 
 __all__ = [
     "ContinuousBatchingKVCacheManager",

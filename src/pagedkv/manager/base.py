@@ -18,10 +18,10 @@ import torch
 from pagedkv.core.context import TextContext
 from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.dtype import DeviceRef
-from pagedkv.params import KVCacheParamInterface, KVCacheParams
+from pagedkv.params.kv import KVCacheParamInterface, KVCacheParams
+from pagedkv.params.symbols import KVCacheInputSymbols
+from pagedkv.params.validation import check_int
 from pagedkv.runtime.inputs import KVCacheInputs, PaddedKVCacheInputs, RaggedKVCacheInputs
-from pagedkv.symbols import KVCacheInputSymbols
-from pagedkv.validation import check_int
 
 __all__ = ["KVCacheManager"]
 

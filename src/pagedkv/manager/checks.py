@@ -11,10 +11,10 @@ from typing import Any
 
 from pagedkv.core.context import TextContext, check_request_id
 from pagedkv.manager import hybrid
-from pagedkv.multi_params import MultiKVCacheParams
-from pagedkv.params import BatchCharacteristics, KVCacheParams
+from pagedkv.params.kv import BatchCharacteristics, KVCacheParams
+from pagedkv.params.multi import MultiKVCacheParams
+from pagedkv.params.validation import INT32_MAX, check_int
 from pagedkv.runtime.buffers import check_fits
-from pagedkv.validation import INT32_MAX, check_int
 
 __all__ = [
     "check_alloc",

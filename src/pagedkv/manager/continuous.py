@@ -19,10 +19,10 @@ from pagedkv.core.errors import InsufficientBlocksError
 from pagedkv.core.tables import lut_columns
 from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.base import KVCacheManager, T, check_redundant_args
-from pagedkv.params import KVCacheParams
+from pagedkv.params.kv import KVCacheParams
+from pagedkv.params.symbols import KVCacheInputSymbols, PaddedKVCacheInputSymbols, TensorSpec
+from pagedkv.params.validation import check_int
 from pagedkv.runtime.inputs import KVCacheInputs, PaddedKVCacheInputs, RaggedKVCacheInputs, max_lengths_table
-from pagedkv.symbols import KVCacheInputSymbols, PaddedKVCacheInputSymbols, TensorSpec
-from pagedkv.validation import check_int
 
 __all__ = ["ContinuousBatchingKVCacheManager"]
 

@@ -22,13 +22,13 @@ from pagedkv.core.groups import manager_for
 from pagedkv.core.memory import is_hybrid
 from pagedkv.core.replica import ReplicaBookkeeping
 from pagedkv.core.tables import BatchTables
-from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
-from pagedkv.params import KVCacheParams
+from pagedkv.params.kv import KVCacheParams
+from pagedkv.params.multi import KVCacheParamInterface, MultiKVCacheParams
+from pagedkv.params.state import StateCacheParams
 from pagedkv.runtime.arena import allocate_arena_buffers
 from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs, StateCacheInputs
 from pagedkv.runtime.state_buffers import StateCacheBuffer
 from pagedkv.runtime.transfer import tables_to_device
-from pagedkv.state_params import StateCacheParams
 
 __all__ = [
     "commits_on_alloc",

@@ -30,21 +30,21 @@ from pagedkv.core.replica import ReplicaBookkeeping
 from pagedkv.core.state.checkpoints import RunCopy
 from pagedkv.core.tables import BatchTables
 from pagedkv.dtype import DeviceRef
-from pagedkv.interface.bridge import params_from_kv_cache_config
 from pagedkv.interface.config import KVCacheConfig
 from pagedkv.manager import checks, hybrid
 from pagedkv.manager.base import check_redundant_args
 from pagedkv.manager.swap import SwappedRequests
 from pagedkv.manager.tiering import Tiering
-from pagedkv.multi_params import KVCacheParamInterface, MultiKVCacheParams
 from pagedkv.ops.page_copy import copy_page_slots
 from pagedkv.ops.state_runs import copy_state_run
-from pagedkv.params import BatchCharacteristics, KVConnectorType
+from pagedkv.params.bridge import params_from_kv_cache_config
+from pagedkv.params.kv import BatchCharacteristics, KVConnectorType
+from pagedkv.params.multi import KVCacheParamInterface, MultiKVCacheParams
+from pagedkv.params.validation import INT32_MAX, check_weights_version
 from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer
 from pagedkv.runtime.inputs import KVCacheInputs, MultiKVCacheInputs, RaggedKVCacheInputs
 from pagedkv.runtime.state_buffers import StateCacheBuffer
 from pagedkv.runtime.transfer import tables_to_device
-from pagedkv.validation import INT32_MAX, check_weights_version
 
 __all__ = ["PagedKVCacheManager"]
 

@@ -30,10 +30,10 @@ from typing import Any
 from pagedkv.core.events import AllBlocksCleared, KVEventBatch, KVEventQueue
 from pagedkv.core.memory import compute_num_host_blocks
 from pagedkv.core.replica import ReplicaBookkeeping
-from pagedkv.core.tier_stats import TierStats
 from pagedkv.manager.tier_link import PageEvents, ReplicaTiers, state_events
-from pagedkv.multi_params import KVCacheParamInterface
-from pagedkv.params import KVConnectorType
+from pagedkv.offload.tier_stats import TierStats
+from pagedkv.params.kv import KVConnectorType
+from pagedkv.params.multi import KVCacheParamInterface
 
 __all__ = ["Tiering"]
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.core.metrics import KVCacheMetrics
-from pagedkv.core.tier_stats import LATENCY_BUCKETS
+from pagedkv.offload.tier_stats import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
     from pagedkv.manager.paged import PagedKVCacheManager

@@ -27,11 +27,11 @@ import torch
 
 from pagedkv.core.events import BlockRemoved, BlockStored, EventSink
 from pagedkv.core.hashing import BlockHash
-from pagedkv.core.tier_stats import TierStats
 from pagedkv.offload.format import key_bytes
 from pagedkv.offload.host import HostTier
 from pagedkv.offload.staged_loads import FailedLoads, LoadCopyError, StagedCopy, StagedLoads
 from pagedkv.offload.tier import LentRows, LowerTier
+from pagedkv.offload.tier_stats import TierStats
 from pagedkv.offload.transfer import RowMover
 
 __all__ = ["KVConnector", "LoadCopyError"]

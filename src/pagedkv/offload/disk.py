@@ -48,7 +48,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pagedkv.core.events import BlockRemoved, EventSink
-from pagedkv.core.tier_stats import TierStats
 from pagedkv.offload.disk_index import DiskIndex, scan
 from pagedkv.offload.disk_io import CHUNK, ReadBatch, head, read_lent, read_through, write_file
 from pagedkv.offload.format import (
@@ -63,6 +62,7 @@ from pagedkv.offload.format import (
     tier_namespace,
 )
 from pagedkv.offload.tier import Done, LowerTier, OnceLogger, Row, check_framed
+from pagedkv.offload.tier_stats import TierStats
 
 __all__ = ["DiskTier"]
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.events import EventSink
-from pagedkv.multi_params import KVCacheParamInterface
 from pagedkv.offload.connector import KVConnector
 from pagedkv.offload.format import layout_fingerprint
 from pagedkv.offload.state_images import StateImageMover
 from pagedkv.offload.tier import LowerTier
 from pagedkv.offload.transfer import PageMover, RowMover
-from pagedkv.params import KVConnectorType
+from pagedkv.params.connector import KVConnectorConfig
+from pagedkv.params.kv import KVConnectorType
+from pagedkv.params.multi import KVCacheParamInterface
 from pagedkv.runtime.arena import HybridKVCacheBuffer
 from pagedkv.runtime.buffers import KVCacheBuffer, MultiKVCacheBuffer
 

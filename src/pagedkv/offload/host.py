@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.core.tier_index import TierIndex
-from pagedkv.core.tier_stats import TierStats
-from pagedkv.validation import check_int
+from pagedkv.offload.tier_index import TierIndex
+from pagedkv.offload.tier_stats import TierStats
+from pagedkv.params.validation import check_int
 
 __all__ = ["HostTier"]
 

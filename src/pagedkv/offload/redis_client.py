@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from pagedkv.connector_config import KVConnectorConfig, cluster_node
+from pagedkv.params.connector import KVConnectorConfig, cluster_node
 
 __all__ = ["CLUSTER_SCHEMES", "client_factory", "import_redis", "is_cluster", "redis_client", "unlink_prefix", "where"]
 

@@ -45,9 +45,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.core.events import BlockRemoved, EventSink
-from pagedkv.core.tier_stats import TierStats
 from pagedkv.offload.format import (
     HEADER_SIZE,
     check_header,
@@ -60,6 +58,8 @@ from pagedkv.offload.format import (
 )
 from pagedkv.offload.redis_client import client_factory, import_redis, is_cluster, redis_client, unlink_prefix, where
 from pagedkv.offload.tier import Done, LowerTier, OnceLogger, Row, check_framed, hand_back
+from pagedkv.offload.tier_stats import TierStats
+from pagedkv.params.connector import KVConnectorConfig
 
 __all__ = ["FETCH_CHUNK_BYTES", "RedisTier", "redis_client"]
 

@@ -21,7 +21,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
-from pagedkv.core.tier_stats import TierStats
+from pagedkv.offload.tier_stats import TierStats
 
 __all__ = ["Done", "LentRows", "LowerTier", "OnceLogger", "Row", "check_framed", "hand_back"]
 

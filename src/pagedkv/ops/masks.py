@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.validation import check_int
+from pagedkv.params.validation import check_int
 
 __all__ = ["AttentionOptions"]
 

@@ -1,6 +1,6 @@
 """`pagedkv engine`: one pagedkv engine behind HTTP, publishing its KV events (a router's backend).
 
-A Llama-style model with seeded random weights (`pagedkv.demo.build_llama`; no download) or a local
+A Llama-style model with seeded random weights (`pagedkv.testing.build_llama`; no download) or a local
 checkpoint is served by `LLMEngine` from one thread; aiohttp answers:
 
 - ``POST /v1/completions`` ``{"prompt": [token ids], "max_tokens": n, "cache_salt": str?}`` (and optionally
@@ -316,10 +316,10 @@ def main(args: argparse.Namespace) -> int:
     """Serve until interrupted; prints the ready line on stdout."""
     import torch
 
-    from pagedkv.demo import build_llama
     from pagedkv.engine import LLMEngine
     from pagedkv.observability import ZmqEventPublisher
     from pagedkv.router.service import serve_app
+    from pagedkv.testing import build_llama
 
     torch.set_num_threads(args.threads)
     heads = max(1, args.hidden // 16)

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from pagedkv.core.hashing import PrefixHasher, check_salt
-from pagedkv.validation import as_token_array, check_int
+from pagedkv.params.validation import as_token_array, check_int
 
 __all__ = ["BlockHasher", "PagedKVHasher", "VLLMHasher", "cbor_canonical", "wire_hash"]
 
@@ -71,7 +71,7 @@ class PagedKVHasher:
     ) -> None:  # fmt: skip
         check_int("page_size", page_size, 1)
         if seed is None:
-            from pagedkv.deployment_seed import deployment_seed
+            from pagedkv.params.deployment_seed import deployment_seed
 
             seed = deployment_seed()
         self.block_size = page_size

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedkv.core.memory import ROW_ALIGN
-from pagedkv.params import KVCacheParams
+from pagedkv.params.kv import KVCacheParams
+from pagedkv.params.state import StateCacheParams
 from pagedkv.runtime.buffers import KVCacheBuffer, KVCacheMemory, MultiKVCacheBuffer
 from pagedkv.runtime.state_buffers import make_state_buffer
-from pagedkv.state_params import StateCacheParams
 
 __all__ = ["HybridKVCacheBuffer", "allocate_arena_buffers", "leaf_page_bytes"]
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.multi_params import MultiKVCacheParams
-from pagedkv.params import KVCacheParams
-from pagedkv.validation import INT32_MAX, check_int
+from pagedkv.params.kv import KVCacheParams
+from pagedkv.params.multi import MultiKVCacheParams
+from pagedkv.params.validation import INT32_MAX, check_int
 
 __all__ = [
     "KVCacheBuffer",

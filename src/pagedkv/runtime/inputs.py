@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.records import InputTree, RecordMixin, TreeMapMixin
+from pagedkv.params.records import InputTree, RecordMixin, TreeMapMixin
 
 __all__ = [
     "KVCacheInputs",

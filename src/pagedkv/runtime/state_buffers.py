@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.params.state import StateCacheParams
 from pagedkv.runtime.buffers import KVCacheBuffer, check_fits
-from pagedkv.state_params import StateCacheParams
 
 __all__ = ["StateCacheBuffer", "allocate_state_buffers", "state_views"]
 

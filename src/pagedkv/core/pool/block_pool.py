@@ -22,7 +22,7 @@ from pagedkv.core.pool.eviction import (
 )
 from pagedkv.core.pool.policies import EVICTION_POLICIES, EvictionPolicy, make_eviction_policy
 from pagedkv.core.pool.wanted import WantedPages
-from pagedkv.validation import INT32_MAX, check_eviction, check_int
+from pagedkv.params.validation import INT32_MAX, check_eviction, check_int
 
 __all__ = ["BlockPool"]
 

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.integrations.tier_keys import MAX_IO_THREADS, REDIS_ONLY, TIER_KEYS, ExtraConfig
+from pagedkv.params.connector import KVConnectorConfig
 
 __all__ = ["DEFAULT_KEY_PREFIX", "KNOWN_KEYS", "MAX_IO_THREADS", "SGLANG_KEYS", "StorageSettings"]
 

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.connector_config import KVConnectorConfig
 from pagedkv.integrations.tier_keys import MAX_IO_THREADS, ExtraConfig
+from pagedkv.params.connector import KVConnectorConfig
 
 __all__ = ["EXTRA_CONFIG_KEYS", "ConnectorSettings", "parse_extra_config"]
 

@@ -32,11 +32,11 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedkv.connector_config import KVConnectorConfig
-from pagedkv.core.tier_stats import TierStats
 from pagedkv.integrations.vllm.blocks import BlockMover
 from pagedkv.offload.format import HEADER_SIZE
 from pagedkv.offload.tier import LentRows, LowerTier, Row
+from pagedkv.offload.tier_stats import TierStats
+from pagedkv.params.connector import KVConnectorConfig
 
 __all__ = ["TierSet"]
 

@@ -1,1 +1,0 @@
-"""`pagedkv bench compare`: pagedkv, vLLM and SGLang cache managers and the offline bounds on shared traces."""
