@@ -108,6 +108,7 @@ class GroupManager:
             return 0
         pages = [int(table.pages[lo])] if hi == lo + 1 else table.pages[lo:hi].tolist()
         parent = int(table.pages[lo - 1]) if lo else -1
+        parent = -1 if parent == null else parent  # (a window group's dropped entry chains to nothing)
         for i, page in enumerate(pages, lo):
             if page != null:
                 used = pool.commit(page, hashes[i], self.group, parent)
@@ -115,7 +116,7 @@ class GroupManager:
                     shared = i + 1
                     table.pages[i] = used
                 page = used
-            parent = page
+            parent = page if page != null else -1
         if retention is not None:
             pool.retain([p for p in table.pages[lo:hi].tolist() if p != null], retention.priority,
                         retention.duration_s)  # fmt: skip
