@@ -14,6 +14,8 @@ from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.multi_params import MultiKVCacheParams
 from pagedkv.params import KVCacheQuantizationConfig
+from pagedkv.specs import MambaSpec
+from pagedkv.state_params import StateCacheParams
 
 CPU = DeviceRef.CPU()
 FP8 = dict(dtype=DType.float8_e4m3fn, kvcache_quant_config=KVCacheQuantizationConfig(DType.float32, 2))
@@ -94,12 +96,18 @@ def test_flag_validation() -> None:
         make_params(enable_partial_page_reuse=True)
     with pytest.raises(ValueError, match="enable_partial_page_reuse=True does not support kv_connector=local"):
         partial_params(kv_connector="local", host_kvcache_swap_space_gb=0.001)
-    for hybrid in (
+    for hybrid in (  # several groups (or one window group): a coordinator with partial-page reuse
         partial_params(sliding_window=8),
         MultiKVCacheParams({"full": partial_params(), "window": partial_params(sliding_window=8)}),
     ):
-        with pytest.raises(ValueError, match="enable_partial_page_reuse=True does not support hybrid models"):
-            PagedKVCacheManager(hybrid, None, 16, max_batch_size=4)
+        assert PagedKVCacheManager(hybrid, None, 16, max_batch_size=4)._managers[0]._partial is not None
+    spec = MambaSpec(block_size=4, shapes=((4, 2),), dtypes=(torch.float32,))
+    shared = dict(page_size=4, enable_prefix_caching=True, enable_partial_page_reuse=True)
+    stateful = MultiKVCacheParams(
+        {"full": partial_params(), "state": StateCacheParams.from_spec(spec, 2, [CPU], **shared)}
+    )
+    with pytest.raises(ValueError, match="enable_partial_page_reuse=True does not support models with recurrent state"):
+        PagedKVCacheManager(stateful, None, 16, max_batch_size=4)
     with pytest.raises(ValueError, match="All caches must have the same enable_partial_page_reuse"):
         MultiKVCacheParams({"a": partial_params(), "b": make_params(enable_prefix_caching=True, num_layers=3)})
     plain = PagedKVCacheManager(make_params(enable_prefix_caching=True), None, 16, max_batch_size=4)

@@ -339,6 +339,11 @@ class GroupPartialPages:
         _require(indexed == cached, f"child index pages {sorted(indexed ^ cached)} disagree with the prefix cache")
         return holders
 
+    def state(self) -> tuple[Any, ...]:
+        """Pending copies and index entries, for no-trace comparisons in tests."""
+        entries = {p: (self.index.parent_of(p), self.index._tokens[p].tolist()) for p in sorted(self.index.pages())}
+        return sorted(self.pending.items(), key=repr), entries
+
 
 def make_group_partial_pages(
     enabled: bool,
