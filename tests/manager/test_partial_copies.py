@@ -112,3 +112,33 @@ def test_flag_validation() -> None:
         MultiKVCacheParams({"a": partial_params(), "b": make_params(enable_prefix_caching=True, num_layers=3)})
     plain = PagedKVCacheManager(make_params(enable_prefix_caching=True), None, 16, max_batch_size=4)
     assert plain._managers[0]._partial is None and plain._managers[0].take_page_copies() == []
+
+
+def test_a_hybrid_tree_copies_page_k_in_every_group() -> None:
+    """Full + sliding window over one arena: one copy per group (page ids of the shared pool), each landing in
+    its group's views before the forward."""
+    tree = MultiKVCacheParams({"full": partial_params(n_kv_heads=2, head_dim=4),
+                               "window": partial_params(n_kv_heads=1, head_dim=4, sliding_window=8)})  # fmt: skip
+    mgr = PagedKVCacheManager(tree, None, 16, enable_runtime_checks=True, max_batch_size=4)
+    children = list(mgr.get_device_buffer().children.values())
+    scramble(mgr)
+    before = [[t.view(torch.uint8).clone() for t in child.all_buffers] for child in children]
+    a = ctx("a", range(10))
+    mgr.claim("a")
+    mgr.alloc(a)
+    a.update(7)
+    mgr.step([[a]])
+    b = ctx("b", [0, 1, 2, 3, 4, 5, 50, 51, 52])
+    mgr.claim("b")
+    mgr.alloc(b)
+    assert b.cached_prefix_length == 6
+    copies = mgr._managers[0]._partial.pending["b"]  # type: ignore[union-attr]
+    assert copies == [(mgr.get_req_blocks("a", group=g)[1], mgr.get_req_blocks("b", group=g)[1], 2) for g in (0, 1)]
+    mgr.runtime_inputs([[b]])
+    for (src, dst, n), child, old in zip(copies, children, before, strict=True):
+        for t, o in zip(child.all_buffers, old, strict=True):
+            assert torch.equal(t.view(torch.uint8)[dst, :, :, :n], o[src, :, :, :n])  # K and V, every layer
+    assert mgr._managers[0].take_page_copies() == []
+    mgr.release("b")
+    mgr.release("a")
+    assert mgr.get_num_used_pages() == 0

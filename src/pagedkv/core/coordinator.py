@@ -13,6 +13,8 @@ step / release, atomic alloc, tail-first release) and adds, per group:
   pinned pages are protected (up to `protected_fraction` of the pool): only their owner takes them
   back, and only when no other request holds pages (otherwise the caller preempts). Pages never
   dropped below `shared` (a hit or a merged commit) stay held outright.
+- partial pages: with `partial_page_reuse`, a hit also copies the first tokens of the next cached page in
+  every cacheable group (copy-on-write, `partial_pages.GroupPartialPages`; `take_page_copies`).
 
 Recurrent state groups (`MambaManager`) take rows of a second pool that also keeps state checkpoints
 (`state.checkpoints.StateCheckpoints`, `state.resume.StateResume`): their hits need a checkpoint exactly at the resume point. The structure is vLLM's `KVCacheCoordinator`: one `BlockPool`, one page-policy manager per group

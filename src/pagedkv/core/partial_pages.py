@@ -229,7 +229,7 @@ def make_partial_pages(
     """`PartialPages` for a `BlockManager` built with ``partial_page_reuse=enabled`` (None when off).
 
     Raises TypeError unless `enabled` is a bool, ValueError when it is True without prefix caching
-    or on a pool shared by several groups (hybrid models do not support it)."""
+    or on a pool shared by several groups (a `KVCacheCoordinator` serves those: `GroupPartialPages`)."""
     if not isinstance(enabled, bool):
         raise TypeError(f"partial_page_reuse={enabled!r} must be a bool")
     if not enabled:
