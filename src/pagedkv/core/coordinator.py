@@ -285,7 +285,7 @@ class KVCacheCoordinator:
                 needed=required_pages(len(tokens) + spec, ps),
                 available=self.pool.num_blocks,
             )
-        hit, digest = st.committed, st.digest
+        hit, digest = st.committed if st.unwritten < 0 else st.unwritten, st.digest  # (unwritten: not processed)
         hit_pages: list[list[int]] = [[] for _ in self.groups]
         pins: list[int] = []
         new_keys: list[BlockHash] = []
@@ -297,6 +297,7 @@ class KVCacheCoordinator:
             self.enable_prefix_caching
             and tokens.active_length > 1
             and st.num_pages == st.committed
+            and st.unwritten < 0  # (an alloc again before the forward: its own unwritten pages are no hit)
             and (states is None or (fresh and tokens.processed_length == 0))  # a state resumes from its start only
         )
         if lookup:
