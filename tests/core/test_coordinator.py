@@ -136,3 +136,15 @@ def test_decode_fast_path_moves_only_the_counter() -> None:
     assert after["metrics"].input_tokens == before["metrics"].input_tokens + 1
     after["metrics"], before["metrics"] = None, None
     assert after == before
+
+
+def test_a_page_after_a_dropped_entry_commits_under_a_keyed_order() -> None:
+    """A window group's page whose previous entry was dropped (null) commits chained to no parent (it used to
+    index the null page in the keyed eviction order: IndexError)."""
+    c = KVCacheCoordinator(N, 2, [FullAttentionManager(0, 2), ChunkedLocalAttentionManager(1, 2, 6)],
+                           enable_prefix_caching=True)  # fmt: skip
+    c.pool.keyed_order()
+    a = ctx("a", range(7))
+    c.claim("a")
+    run(c, a, [1, 2, 3])  # at processed 7 the chunk group drops pages 0..2; page 3 commits at processed 8
+    assert c.get_req_blocks("a", 1)[:3] == [N, N, N] and c.pool.block_hash(c.get_req_blocks("a", 1)[3]) is not None

@@ -85,3 +85,20 @@ def test_a_window_groups_dropped_page_starts_a_new_chain_in_the_leaves_first_ord
         c.release("a")
         c.check_integrity()
     assert dropped > 0
+
+
+@pytest.mark.parametrize("window_only", [False, True])
+def test_an_alloc_again_before_the_forward_skips_nothing(window_only: bool) -> None:
+    """Pages committed at alloc are not processed: a second alloc before the forward (a scheduler that allocs
+    again) neither skips them nor hits them as its own prefix (it used to move ``processed`` past them)."""
+    groups = [SlidingWindowManager(0, PAGE, 8)] if window_only else [FullAttentionManager(0, PAGE),
+                                                                     SlidingWindowManager(1, PAGE, 8)]  # fmt: skip
+    c = KVCacheCoordinator(32, PAGE, groups, enable_prefix_caching=True, commit_on_alloc=True)
+    a = TextContext("a", np.arange(1, 18))
+    c.claim("a")
+    c.alloc(a, 4)  # one page's chunk: committed at alloc, unwritten
+    a.tokens.chunk(4)
+    tables = [c.get_req_blocks("a", g) for g in range(len(groups))]
+    c.alloc(a, 4)
+    assert a.tokens.processed_length == 0 and [c.get_req_blocks("a", g) for g in range(len(groups))] == tables
+    c.check_integrity()

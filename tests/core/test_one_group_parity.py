@@ -20,22 +20,29 @@ from pagedkv.core.pool import EVICTION_POLICIES
 PAGE = 4
 
 
-def pair(policy: str, leaves: bool, pages: int, scheduled: bool = False) -> tuple[BlockManager, KVCacheCoordinator]:
+def pair(
+    policy: str, leaves: bool, pages: int, scheduled: bool = False, partial: bool = False
+) -> tuple[BlockManager, KVCacheCoordinator]:
     kwargs = dict(enable_prefix_caching=True, eviction_policy=policy, evict_leaves_first=leaves,
-                  commit_on_alloc=scheduled)  # fmt: skip
+                  commit_on_alloc=scheduled, partial_page_reuse=partial)  # fmt: skip
     one = BlockManager(pages, PAGE, **kwargs)  # type: ignore[arg-type]
     return one, KVCacheCoordinator(pages, PAGE, [FullAttentionManager(0, PAGE)], **kwargs)  # type: ignore[arg-type]
 
 
 def replay(
-    bm: BlockManager | KVCacheCoordinator, seed: int, scheduled: bool = False, swaps: bool = False
+    bm: BlockManager | KVCacheCoordinator,
+    seed: int,
+    scheduled: bool = False,
+    swaps: bool = False,
+    lengths: tuple[int, ...] = (8, 12, 17),
 ) -> list[object]:
-    """A seeded mix of shared-prefix prompts with retention priorities: up to 3 running at once, each
-    prefilled then decoded a few tokens, released in random order (with `swaps`, some swapped out instead:
-    snapshot and release, later restored and recommitted, then decoded on). Returns what every call observed."""
+    """A seeded mix of shared-prefix prompts (prefixes of `lengths` tokens) with retention priorities: up to 3
+    running at once, each prefilled then decoded a few tokens, released in random order (with `swaps`, some
+    swapped out instead: snapshot and release, later restored and recommitted, then decoded on). Partial-page
+    copies are taken after each admission (before the forward pass). Returns what every call observed."""
     rng = random.Random(seed)
     swapped: dict[int, tuple[TextContext, object]] = {}
-    prefixes = [[rng.randrange(1, 500) for _ in range(rng.choice([8, 12, 17]))] for _ in range(4)]
+    prefixes = [[rng.randrange(1, 500) for _ in range(rng.choice(lengths))] for _ in range(4)]
     running: dict[int, TextContext] = {}
     seen: list[object] = []
     queue = []
@@ -77,6 +84,7 @@ def replay(
             bm.release(rid)
         else:
             seen.append(("hit", rid, ctx.cached_prefix_length, bm.get_req_blocks(rid)))
+            seen.append(("copies", bm.take_page_copies()))
             running[rid] = ctx
         for r, c in list(running.items()):
             if c.tokens.is_chunked:  # the rest of a chunked prompt runs next
@@ -133,6 +141,19 @@ def test_schedule_time_caching_is_the_same_on_both(seed: int) -> None:
     expected = replay(one, seed, scheduled=True)
     assert replay(coordinator, seed, scheduled=True) == expected
     assert any(e[0] == "chunk" for e in expected)
+
+
+@pytest.mark.parametrize("scheduled", [False, True])
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_partial_page_reuse_is_the_same_on_both(scheduled: bool, policy: str, seed: int) -> None:
+    """`partial_page_reuse`: a hit also copies the matching tokens of a cached last partial page (copy-on-write,
+    `take_page_copies`), with or without `commit_on_alloc`: the same copies, skipped tokens and metrics."""
+    one, coordinator = pair(policy, False, pages=24, scheduled=scheduled, partial=True)
+    expected = replay(one, seed, scheduled, lengths=(6, 10, 17))
+    assert replay(coordinator, seed, scheduled, lengths=(6, 10, 17)) == expected
+    assert sum(len(e[1]) for e in expected if e[0] == "copies") > 3  # type: ignore[arg-type]
+    assert any(e[0] == "hit" and e[2] % PAGE for e in expected)  # a partial hit skipped a page's first tokens
 
 
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)

@@ -1,5 +1,7 @@
 """Partial-page reuse inside `LLMEngine`: a prompt sharing a non-page-aligned prefix with a finished one skips
-exactly the shared tokens, and still equals transformers' greedy generate() (tokens, logits within 1e-4, fp32)."""
+exactly the shared tokens, and still equals transformers' greedy generate() (tokens, logits within 1e-4, fp32):
+on a Llama (one full-attention group) and on a Gemma 2 (full and sliding-window groups over one pool, whose
+partial hits copy the page in both groups)."""
 
 from __future__ import annotations
 
@@ -24,15 +26,16 @@ def prompts() -> list[list[int]]:
 
 
 @functools.cache
-def reference() -> tuple[tuple[list[int], list[torch.Tensor]], ...]:
-    model = build("llama")
+def reference(name: str) -> tuple[tuple[list[int], list[torch.Tensor]], ...]:
+    model = build(name)
     return tuple(hf_greedy(model, p, NEW_TOKENS) for p in prompts())
 
 
 @pytest.mark.parametrize("page_size,aligned", [(16, 32), (4, 36)])
-def test_partial_reuse_matches_transformers(page_size: int, aligned: int) -> None:
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_partial_reuse_matches_transformers(name: str, page_size: int, aligned: int) -> None:
     engine = LLMEngine.from_hf(
-        build("llama"), page_size=page_size, num_pages=256 // page_size, enable_prefix_caching=True,
+        build(name), page_size=page_size, num_pages=256 // page_size, enable_prefix_caching=True,
         enable_partial_page_reuse=True, max_batch_size=4, max_num_batched_tokens=64, record_logits=True,
     )  # fmt: skip
     requests = []
@@ -41,7 +44,7 @@ def test_partial_reuse_matches_transformers(page_size: int, aligned: int) -> Non
         engine.run()
     cached = [r.cached_tokens for r in requests]
     assert cached == [0, SHARED, 29] and aligned < SHARED  # without partial reuse: [0, aligned, 29 // ps * ps]
-    for i, (request, (tokens, logits)) in enumerate(zip(requests, reference(), strict=True)):
+    for i, (request, (tokens, logits)) in enumerate(zip(requests, reference(name), strict=True)):
         assert request.output == tokens, f"prompt {i}: engine {request.output} != transformers {tokens}"
         diff = max(float((a - b).abs().max()) for a, b in zip(request.logits, logits, strict=True))
         assert diff < 1e-4, f"prompt {i}: logits differ by {diff}"

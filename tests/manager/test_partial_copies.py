@@ -14,6 +14,8 @@ from pagedkv.dtype import DeviceRef, DType
 from pagedkv.manager.paged import PagedKVCacheManager
 from pagedkv.params import KVCacheQuantizationConfig
 from pagedkv.params.multi import MultiKVCacheParams
+from pagedkv.params.state import StateCacheParams
+from pagedkv.specs import MambaSpec
 
 CPU = DeviceRef.CPU()
 FP8 = dict(dtype=DType.float8_e4m3fn, kvcache_quant_config=KVCacheQuantizationConfig(DType.float32, 2))
@@ -94,13 +96,49 @@ def test_flag_validation() -> None:
         make_params(enable_partial_page_reuse=True)
     with pytest.raises(ValueError, match="enable_partial_page_reuse=True does not support kv_connector=local"):
         partial_params(kv_connector="local", host_kvcache_swap_space_gb=0.001)
-    for hybrid in (
+    for hybrid in (  # several groups (or one window group): a coordinator with partial-page reuse
         partial_params(sliding_window=8),
         MultiKVCacheParams({"full": partial_params(), "window": partial_params(sliding_window=8)}),
     ):
-        with pytest.raises(ValueError, match="enable_partial_page_reuse=True does not support hybrid models"):
-            PagedKVCacheManager(hybrid, None, 16, max_batch_size=4)
+        assert PagedKVCacheManager(hybrid, None, 16, max_batch_size=4)._managers[0]._partial is not None
+    spec = MambaSpec(block_size=4, shapes=((4, 2),), dtypes=(torch.float32,))
+    shared = dict(page_size=4, enable_prefix_caching=True, enable_partial_page_reuse=True)
+    stateful = MultiKVCacheParams(
+        {"full": partial_params(), "state": StateCacheParams.from_spec(spec, 2, [CPU], **shared)}
+    )
+    with pytest.raises(ValueError, match="enable_partial_page_reuse=True does not support models with recurrent state"):
+        PagedKVCacheManager(stateful, None, 16, max_batch_size=4)
     with pytest.raises(ValueError, match="All caches must have the same enable_partial_page_reuse"):
         MultiKVCacheParams({"a": partial_params(), "b": make_params(enable_prefix_caching=True, num_layers=3)})
     plain = PagedKVCacheManager(make_params(enable_prefix_caching=True), None, 16, max_batch_size=4)
     assert plain._managers[0]._partial is None and plain._managers[0].take_page_copies() == []
+
+
+def test_a_hybrid_tree_copies_page_k_in_every_group() -> None:
+    """Full + sliding window over one arena: one copy per group (page ids of the shared pool), each landing in
+    its group's views before the forward."""
+    tree = MultiKVCacheParams({"full": partial_params(n_kv_heads=2, head_dim=4),
+                               "window": partial_params(n_kv_heads=1, head_dim=4, sliding_window=8)})  # fmt: skip
+    mgr = PagedKVCacheManager(tree, None, 16, enable_runtime_checks=True, max_batch_size=4)
+    children = list(mgr.get_device_buffer().children.values())
+    scramble(mgr)
+    before = [[t.view(torch.uint8).clone() for t in child.all_buffers] for child in children]
+    a = ctx("a", range(10))
+    mgr.claim("a")
+    mgr.alloc(a)
+    a.update(7)
+    mgr.step([[a]])
+    b = ctx("b", [0, 1, 2, 3, 4, 5, 50, 51, 52])
+    mgr.claim("b")
+    mgr.alloc(b)
+    assert b.cached_prefix_length == 6
+    copies = mgr._managers[0]._partial.pending["b"]  # type: ignore[union-attr]
+    assert copies == [(mgr.get_req_blocks("a", group=g)[1], mgr.get_req_blocks("b", group=g)[1], 2) for g in (0, 1)]
+    mgr.runtime_inputs([[b]])
+    for (src, dst, n), child, old in zip(copies, children, before, strict=True):
+        for t, o in zip(child.all_buffers, old, strict=True):
+            assert torch.equal(t.view(torch.uint8)[dst, :, :, :n], o[src, :, :, :n])  # K and V, every layer
+    assert mgr._managers[0].take_page_copies() == []
+    mgr.release("b")
+    mgr.release("a")
+    assert mgr.get_num_used_pages() == 0

@@ -28,14 +28,14 @@ class PartialReuseMachine(ManagerMachine):
         num_pages=st.integers(6, 40),
         spec=st.sampled_from([0, 0, 2]),
         algo=st.sampled_from(["sha256", "sha256_64", "xxh3_128"]),
-        layout=st.sampled_from(["mha", "mha-tp2", "mla-tp2"]),  # hybrid layouts refuse the flag
+        layout=st.sampled_from(["mha", "mha-tp2", "mla-tp2", "swa", "hybrid", "hybrid-tp2"]),  # (state refuses it)
         policy=st.sampled_from(["lru", "slru", "arc"]),
     )
     def partial_setup(self, page_size: int, num_pages: int, spec: int, algo: str, layout: str, policy: str) -> None:
         super().setup(page_size=page_size, num_pages=num_pages, caching=True, spec=spec, algo=algo, layout=layout,
                       policy=policy, protect=0.25, leaves=False)  # fmt: skip
 
-    setup = None  # type: ignore[assignment]  # replaced by partial_setup (caching on, no hybrid layout)
+    setup = None  # type: ignore[assignment]  # replaced by partial_setup (caching on, no recurrent state)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

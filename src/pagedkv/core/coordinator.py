@@ -13,6 +13,8 @@ step / release, atomic alloc, tail-first release) and adds, per group:
   pinned pages are protected (up to `protected_fraction` of the pool): only their owner takes them
   back, and only when no other request holds pages (otherwise the caller preempts). Pages never
   dropped below `shared` (a hit or a merged commit) stay held outright.
+- partial pages: with `partial_page_reuse`, a hit also copies the first tokens of the next cached page in
+  every cacheable group (copy-on-write, `partial_pages.GroupPartialPages`; `take_page_copies`).
 
 Recurrent state groups (`MambaManager`) take rows of a second pool that also keeps state checkpoints
 (`state.checkpoints.StateCheckpoints`, `state.resume.StateResume`): their hits need a checkpoint exactly at the resume point. The structure is vLLM's `KVCacheCoordinator`: one `BlockPool`, one page-policy manager per group
@@ -29,13 +31,13 @@ from pagedkv.core import hybrid_state
 from pagedkv.core.checks import check_hybrid_tables, check_manager_args, check_state_args, check_swap_restore
 from pagedkv.core.context import RequestID, Retention, TextContext, as_token_array
 from pagedkv.core.errors import InsufficientBlocksError
-from pagedkv.core.errors import require as _require
 from pagedkv.core.events import BlockHooks, BlockRemoved, EventSink
 from pagedkv.core.groups import GroupManager, StepSpan
 from pagedkv.core.hashing import BlockHash, PrefixHasher, check_salt
 from pagedkv.core.hybrid_state import FAR, HybridRequest, Plan, find_hit
 from pagedkv.core.metrics import KVCacheMetrics
-from pagedkv.core.partial_pages import PageCopy
+from pagedkv.core.page_supply import PageSupply
+from pagedkv.core.partial_pages import PageCopy, make_group_partial_pages
 from pagedkv.core.pool import BlockPool
 from pagedkv.core.queue_wants import QueueWants
 from pagedkv.core.state.checkpoints import Checkpoint, RunCopy, StateCheckpoints, StateCopy
@@ -76,9 +78,10 @@ class KVCacheCoordinator:
         max_state_checkpoints: int | None = None,
         commit_on_alloc: bool = False,
         commit_unscheduled: bool = True,
+        partial_page_reuse: bool = False,
     ) -> None:
         check_manager_args(page_size, enable_prefix_caching, num_speculative_tokens, hash_seed, evict_leaves_first,
-                           False, commit_on_alloc)  # fmt: skip
+                           partial_page_reuse, commit_on_alloc)  # fmt: skip
         slots = check_state_args(groups, num_state_rows, checkpoint_pages, max_state_checkpoints)
         if commit_on_alloc and slots:
             raise ValueError("commit_on_alloc=True does not support models with recurrent state (their hits need a "
@@ -91,6 +94,7 @@ class KVCacheCoordinator:
         self.hasher = PrefixHasher(hash_algo, page_size, hash_seed)
         self.hooks = BlockHooks()  # (device removals reach listeners through `pool.on_removed`)
         self._reqs: dict[RequestID, HybridRequest] = {}
+        self._supply = PageSupply(self.pool, self._reqs)  # where allocations find pages (its view of the requests)
         self._input_tokens = 0
         self._cache_tokens = 0
         self._evictions_at_reset = 0
@@ -108,12 +112,14 @@ class KVCacheCoordinator:
                                            run_pages=checkpoint_pages, max_checkpoints=max_state_checkpoints)  # fmt: skip
             self.resume = StateResume(self.states, self.hasher, self.pool, self.groups, token_groups=self._decoder_ids,
                                       state_groups=self._state_ids, caching=enable_prefix_caching)  # fmt: skip
-        self.tier_link: TierLink | None = None  # the tiers below, asked at a request's first alloc (`tier_hits`)
+        self._tier_link: TierLink | None = None
         self.wants = QueueWants(self.pool, self.hasher)  # waiting requests told by `expect`
         if self.resume is not None and checkpoint_pages and enable_prefix_caching:  # (their checkpoints' runs too)
             self.wants.extra = self.resume.wanted_run
         self.tier_groups = TierGroups(self._cacheable_ids, self._decoder_ids, (self._state_ids or [-1])[0])
         self.num_tables = len(self.groups)
+        self._partial = make_group_partial_pages(partial_page_reuse, self.pool, page_size, self.hasher.root,
+                                                 self._cacheable_ids, bool(slots))  # fmt: skip
         self.commit_on_alloc = commit_on_alloc and enable_prefix_caching  # vLLM's schedule-time caching
         # (False: schedule-time commits only for an `alloc` told `num_scheduled_tokens`; a driver that chunks
         # after `alloc` without saying so would otherwise share pages its step never writes)
@@ -124,6 +130,17 @@ class KVCacheCoordinator:
         """Whether pages can go down the tiers by hash: every token group is full attention (a window group's
         pages are dropped mid-request, so a prefix below would have holes)."""
         return all(not g.lazy and not g.reads_encoder for g in self.groups if not g.state_slots)
+
+    @property
+    def tier_link(self) -> TierLink | None:
+        """The tiers below, asked at a request's first alloc (`tier_hits`); refused with partial-page reuse."""
+        return self._tier_link
+
+    @tier_link.setter
+    def tier_link(self, link: TierLink | None) -> None:
+        if link is not None and self._partial is not None:
+            raise ValueError("partial_page_reuse=True does not support tiers below the device (a tier link)")
+        self._tier_link = link
 
     def claim(self, request_id: object, *, dummy: bool = False) -> None:
         """Start tracking `request_id` (no pages yet). A dummy maps to the null page only."""
@@ -143,6 +160,8 @@ class KVCacheCoordinator:
             raise ValueError(f"Attempted to release request ID {request_id!r} but it is not claimed")
         del self._reqs[request_id]
         self._free(st, request_id)
+        if self._partial is not None:
+            self._partial.drop(request_id)  # page copies never taken: their sources are free again
 
     def _free(self, st: HybridRequest, request_id: RequestID) -> None:
         """Give back every page and state row `st` holds (`StateResume.release`: its last state may be kept); pages
@@ -185,7 +204,7 @@ class KVCacheCoordinator:
         plan = self._plan_alloc(hst, ctx, num_scheduled_tokens)
         if plan.checkpoint is not None:  # the hit's row or tail page may be what is short: adopt or compute
             assert self.resume is not None
-            fit = self.resume.plan_fits(plan, sum(plan.new) - self._available(hst, plan))
+            fit = self.resume.plan_fits(plan, sum(plan.new) - self._supply.available(hst, plan))
             plan = dataclasses.replace(plan, adopt=True) if fit == "adopt" else plan
             plan = plan if fit else self._plan_alloc(hst, ctx, num_scheduled_tokens, checkpoints=False)
         if plan.rows:
@@ -193,9 +212,9 @@ class KVCacheCoordinator:
             self.states.check_rows(plan.rows, None if plan.adopt else plan.checkpoint, ctx.request_id)
         need = sum(plan.new)
         if need:
-            available = self._available(hst, plan)
+            available = self._supply.available(hst, plan)
             if need > available and self.resume is not None and self.resume.reclaim(plan, need - available):
-                available = self._available(hst, plan)  # checkpoints gave their tails' pages back
+                available = self._supply.available(hst, plan)  # checkpoints gave their tails' pages back
             if need > available:
                 used, total = self.pool.num_used, self.pool.num_blocks
                 raise InsufficientBlocksError.for_request(ctx.request_id, need, available, used, total)
@@ -209,7 +228,9 @@ class KVCacheCoordinator:
     def _commit_scheduled(self, st: HybridRequest, ctx: TextContext, num_scheduled_tokens: int | None) -> None:
         """vLLM's schedule-time caching: commit the full pages this step's chunk will write, so requests admitted
         after this one in the same step hit them (`step` announces them once written)."""
-        if num_scheduled_tokens is None and not self.commit_unscheduled:
+        if (num_scheduled_tokens is None and not self.commit_unscheduled) or (
+            self._partial is not None and ctx.request_id in self._partial.pending  # (not while a copy into them waits)
+        ):
             return
         tokens = ctx.tokens
         run = tokens.end - tokens.processed
@@ -265,7 +286,7 @@ class KVCacheCoordinator:
                 needed=required_pages(len(tokens) + spec, ps),
                 available=self.pool.num_blocks,
             )
-        hit, digest = st.committed, st.digest
+        hit, digest = st.committed if st.unwritten < 0 else st.unwritten, st.digest  # (unwritten: not processed)
         hit_pages: list[list[int]] = [[] for _ in self.groups]
         pins: list[int] = []
         new_keys: list[BlockHash] = []
@@ -273,12 +294,14 @@ class KVCacheCoordinator:
         cut = -1
         states = self.states
         fresh = states is not None and not st.tables[self._state_ids[0]].num_pages  # no live state rows yet
-        if (
+        lookup = (
             self.enable_prefix_caching
             and tokens.active_length > 1
             and st.num_pages == st.committed
+            and st.unwritten < 0  # (an alloc again before the forward: its own unwritten pages are no hit)
             and (states is None or (fresh and tokens.processed_length == 0))  # a state resumes from its start only
-        ):
+        )
+        if lookup:
             stop = (min(len(tokens), tokens.current_position) - 1) // ps
             if stop > st.committed or (states is not None and len(tokens) > 1):
                 new_keys, digest = more_keys(self.hasher, st, ctx, stop)
@@ -299,19 +322,28 @@ class KVCacheCoordinator:
             cut = -1
         last = tokens.prompt_end - 1 if fresh and self.enable_prefix_caching else -1  # (a prompt-end cut: a hit
         last = last if last > processed else -1  # leaves the last token to compute, so it resumes before it)
-        end = tokens.current_position if scheduled is None else min(tokens.current_position, processed + scheduled)
-        span = StepSpan(processed, end, len(tokens), spec, ctx.encoder_length)
         floor = max(st.shared, hit if hit > st.committed else 0)  # shared pages stay
-        drops, new = [], []
-        for g, gm in enumerate(self.groups):
-            have = st.tables[g].num_pages + len(hit_pages[g])
-            drops.append(gm.drop_range(st.dropped[g], floor, processed, have))
-            new.append(gm.pages_to_add(have, span))
         rows = states.slots if fresh and states is not None else 0
-        return Plan(hit, hit_pages, new_keys, digest, drops, new, pins, checkpoint, rows, cut, end=last)
+        found = self._partial.find(ctx, [*st.hashes, *new_keys], hit) if lookup and self._partial else None
+        for partial in (found, None) if found else (None,):  # (a partial hit that does not fit is skipped)
+            start = processed + (partial[1] if partial else 0)  # (drops stay those of `processed`)
+            end = tokens.current_position if scheduled is None else min(tokens.current_position, start + scheduled)
+            span = StepSpan(processed, end, len(tokens), spec, ctx.encoder_length)
+            drops, new = [], []
+            for g, gm in enumerate(self.groups):
+                have = st.tables[g].num_pages + len(hit_pages[g])
+                drops.append(gm.drop_range(st.dropped[g], floor, processed, have))
+                new.append(gm.pages_to_add(have, span))
+            plan = Plan(
+                hit, hit_pages, new_keys, digest, drops, new, pins, checkpoint, rows, cut, last, partial=partial
+            )
+            if not partial or sum(new) + self._partial.extra_pages(partial) <= self._supply.available(st, plan):  # type: ignore[union-attr]
+                break
+        return plan
 
     def _evictable_hits(self, plan: Plan) -> int:
         null, run = self.pool.null_block, plan.checkpoint.run if plan.checkpoint is not None else ()
+        run = [*run, *plan.partial[0]] if plan.partial else run  # (a partial hit's sources)
         return self.pool.count_unreferenced([*(p for pages in plan.hit_pages for p in pages if p != null), *run])
 
     def _apply(self, st: HybridRequest, ctx: TextContext, plan: Plan) -> None:
@@ -339,6 +371,8 @@ class KVCacheCoordinator:
         if skip > 0:
             tokens.skip_processing(skip)
             self._cache_tokens += skip
+        if plan.partial and self._partial is not None:  # sources held before `_take`, which could evict them
+            self._cache_tokens += self._partial.skip(ctx, plan.partial)
         st.state_at = -1  # the forward pass moves the live state on
         if plan.cut > 0:
             st.cut = plan.cut
@@ -358,70 +392,18 @@ class KVCacheCoordinator:
         self.pool.free(reversed(freed))
         for g, n in enumerate(plan.new):
             if n:
-                st.tables[g].append(self._take(st, n))
+                st.tables[g].append(self._supply.take(st, n))
         if hit is not None:  # state row -> live row; the tail's slots -> this request's page `plan.hit`
             assert self.resume is not None
             self.resume.restore(st, ctx.request_id, plan)
+        if plan.partial and self._partial is not None:
+            self._partial.record(st, ctx.request_id, plan.partial)
         self._refresh(st)
 
     def _refresh(self, st: HybridRequest) -> None:
         tables = st.tables
         st.ready = min([tables[g].num_pages for g in self._decoder_ids], default=FAR // self.page_size) * self.page_size
         st.next_drop = min([g.drop_threshold(st.dropped[g.group]) for g in self._windowed], default=FAR)
-
-    # ----------------------------------------------------------------- page supply
-    def _freed_by(self, st: HybridRequest, plan: Plan) -> int:
-        """Pages the plan's drops free for this request to take: uncached ones (fresh stack), and
-        cached ones nobody else pins when it may recycle its own protected pages (`_alone`)."""
-        pool, null, own_ok = self.pool, self.pool.null_block, self._alone(st)
-        count = 0
-        for g, (lo, hi) in enumerate(plan.drops):
-            pages = st.tables[g].pages
-            for i in range(lo, min(hi, st.tables[g].num_pages)):
-                page = int(pages[i])
-                if page != null and pool.ref_count(page) == 1:
-                    count += pool.block_hash(page) is None or (own_ok and pool.pin_count(page) == 0)
-        return count
-
-    def _available(self, st: HybridRequest, plan: Plan) -> int:
-        """A lower bound on what `_take` finds once the plan's hits, pins and drops are applied:
-        free unprotected pages, minus the free hits it takes out and the free pages its pins may
-        move to the protected list, plus `_freed_by` and its own protected pages (`_own`)."""
-        pool, null, own_ok = self.pool, self.pool.null_block, self._alone(st)
-        hits = {p for pages in plan.hit_pages for p in pages if p != null}
-        hits.update(plan.checkpoint.run if plan.checkpoint is not None else ())  # (a run the restore holds)
-        lost = sum(1 for p in hits if pool.ref_count(p) == 0 and not pool.is_protected(p))
-        lost += sum(
-            1
-            for p in plan.pins  # a page only st pins stays takeable when own_ok
-            if pool.ref_count(p) == 0 and not pool.is_protected(p) and not (own_ok and pool.pin_count(p) == 0)
-        )
-        return pool.num_free - pool.num_protected - lost + self._freed_by(st, plan) + len(self._own(st))
-
-    def _alone(self, st: HybridRequest) -> bool:
-        """True when no other request holds pages: only then does `st` recycle its own protected
-        pages (otherwise the caller preempts, which keeps every cached prefix whole)."""
-        return not any(o is not st and o.num_pages for o in self._reqs.values())
-
-    def _own(self, st: HybridRequest) -> list[int]:
-        """Free protected pages only `st` pins, deepest first, when `_alone`; else none."""
-        pool = self.pool
-        if not st.pinned or not self._alone(st):
-            return []
-        return [
-            p for p, s in reversed(st.pinned) if pool.stamp(p) == s and pool.is_protected(p) and pool.pin_count(p) == 1
-        ]
-
-    def _take(self, st: HybridRequest, n: int) -> list[int]:
-        """`n` pages: fresh, probation and LRU ones first, then `st`'s own protected ones."""
-        pool = self.pool
-        k = min(n, pool.num_free - pool.num_protected)
-        pages = pool.allocate(k) if k else []
-        if k < n:
-            pages.extend(pool.take(self._own(st)[: n - k]))
-            st.pinned = [(p, s) for p, s in st.pinned if pool.stamp(p) == s]
-        _require(len(pages) == n, f"took {len(pages)} of {n} pages the capacity check promised")
-        return pages
 
     def _decode_step(self, st: HybridRequest, length: int, processed: int) -> bool:
         """One decode token of a running request, done directly: drop what the window groups no
@@ -524,7 +506,10 @@ class KVCacheCoordinator:
         return hi
 
     def _announce(self, st: HybridRequest, ctx: TextContext, lo: int, hi: int) -> None:
-        """Tell the tiers and the event listeners about written pages [lo, hi) of every cacheable group."""
+        """Tell the partial-page index, the tiers and the event listeners about written pages [lo, hi) of every
+        cacheable group."""
+        if self._partial is not None:
+            self._partial.committed(st, ctx, lo, hi)
         if hi > lo and (self.hooks.emit is not None or self.hooks.offloads is not None):
             for g in self._cacheable_ids:
                 self.hooks.committed(st.hashes, lo, hi, ctx.tokens.all, self.page_size, g, self.groups[g].kind)
@@ -591,7 +576,7 @@ class KVCacheCoordinator:
         """(new pages net of drops, evictable hit pages) that `alloc(ctx)` would take. No side effects."""
         st = self._claimed(ctx.request_id)
         plan = self._plan_alloc(st, ctx)
-        return max(0, sum(plan.new) - self._freed_by(st, plan)), self._evictable_hits(plan)
+        return max(0, sum(plan.new) - self._supply.freed_by(st, plan)), self._evictable_hits(plan)
 
     def build_group_tables(self, batch: list[TextContext], max_cache_length: int | None = None) -> list[BatchTables]:
         """One `BatchTables` per group. Cross-attention tables hold the encoder's pages and lengths;
@@ -650,8 +635,9 @@ class KVCacheCoordinator:
             self.states.emit = emit
 
     def take_page_copies(self) -> list[PageCopy]:
-        """Nothing: partial-page reuse is not offered for several groups."""
-        return []
+        """Pending partial-page copies (one per cacheable group of each hit), oldest first; their sources are
+        released (`partial_pages`: apply each before the next `alloc` or forward pass)."""
+        return self._partial.take() if self._partial is not None else []
 
     def pin_prefix(self, tokens: object, retention: Retention, cache_salt: str | None = None) -> int:
         """Give the cached pages of the page-aligned prefix of `tokens` (as `cache_salt`'s chain) the priority
@@ -692,6 +678,7 @@ class KVCacheCoordinator:
     def check_integrity(self) -> None:
         """Raise `IntegrityError` unless pool, prefix caches and every group's tables agree."""
         extra = self.states.tail_refs() if self.states is not None else Counter[int]()
+        extra += self._partial.check(self._reqs) if self._partial is not None else Counter()  # copies' sources
         check_hybrid_tables(self.pool, self.groups, self._reqs, self.enable_prefix_caching, extra)
         if self.resume is not None:
             self.resume.check(self._reqs.values())

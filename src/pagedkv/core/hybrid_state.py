@@ -131,6 +131,7 @@ class Plan:
     cut: int = -1  # where a cached prefix diverges from this request (a checkpoint is saved there)
     end: int = -1  # where its prompt-end checkpoint is saved: before the prompt's last token (-1: none)
     adopt: bool = False  # the hit's checkpoint row becomes the live row (rows are short, it is free)
+    partial: Any = None  # a partial-page hit after `hit`: (source page per cacheable group, tokens to copy)
 
 
 def prefix_misses(pages: list[int | None]) -> list[int]:

@@ -24,6 +24,11 @@ for page 0 (the root digest folds in the salt). Row p of an int32
 ``[num_blocks, page_size]`` array holds indexed page p's tokens. Pages enter
 at commit (one dict insert) and leave when the pool uncaches them
 (`BlockPool.on_uncached`).
+
+`GroupPartialPages` is the same for a `KVCacheCoordinator`, whose cacheable groups each cache page k under
+the same chained hash: the child index holds the first cacheable group's pages, and a partial hit copies
+the first m tokens of page k in every cacheable group (one `PageCopy` per group, each from the page that
+group caches under the source's hash; when some group no longer caches it, there is no partial hit).
 """
 
 from __future__ import annotations
@@ -40,14 +45,26 @@ from pagedkv.core.hashing import BlockHash
 from pagedkv.core.tables import RequestPages
 
 if TYPE_CHECKING:  # pragma: no cover
+    from pagedkv.core.hybrid_state import HybridRequest
     from pagedkv.core.pool import BlockPool
 
-__all__ = ["ChildIndex", "PageCopy", "Partial", "PartialPages", "make_partial_pages"]
+__all__ = [
+    "ChildIndex",
+    "GroupPartialPages",
+    "GroupPartial",
+    "PageCopy",
+    "Partial",
+    "PartialPages",
+    "make_group_partial_pages",
+    "make_partial_pages",
+]
 
 ParentKey = Hashable
 """The prefix-cache key of a page's chain parent, or ``(root digest,)`` for a chain's first page."""
 Partial = tuple[int, int] | None
 """A partial hit: (source page, tokens to copy), or None."""
+GroupPartial = tuple[list[int], int] | None
+"""A coordinator's partial hit: (source page per cacheable group, tokens to copy), or None."""
 
 
 class PageCopy(NamedTuple):
@@ -212,7 +229,7 @@ def make_partial_pages(
     """`PartialPages` for a `BlockManager` built with ``partial_page_reuse=enabled`` (None when off).
 
     Raises TypeError unless `enabled` is a bool, ValueError when it is True without prefix caching
-    or on a pool shared by several groups (hybrid models do not support it)."""
+    or on a pool shared by several groups (a `KVCacheCoordinator` serves those: `GroupPartialPages`)."""
     if not isinstance(enabled, bool):
         raise TypeError(f"partial_page_reuse={enabled!r} must be a bool")
     if not enabled:
@@ -222,3 +239,128 @@ def make_partial_pages(
     if pool.num_groups != 1:
         raise ValueError(f"partial_page_reuse=True supports one KV cache group, not {pool.num_groups}")
     return PartialPages(pool, page_size, root)
+
+
+class GroupPartialPages:
+    """The child index and pending copies of one `KVCacheCoordinator` (see the module docstring): the index
+    holds the pages of group ``groups[0]``; a hit copies page k's first m tokens in each of `groups`."""
+
+    def __init__(
+        self, pool: BlockPool, page_size: int, root: Callable[[str | None], bytes], groups: Sequence[int]
+    ) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self.groups = list(groups)
+        self._root = root
+        self.index = ChildIndex(pool.num_blocks, page_size)
+        self.pending: dict[RequestID, list[PageCopy]] = {}
+        pool.on_uncached.append(self.index.remove)
+
+    def find(self, ctx: TextContext, keys: Sequence[BlockHash], k: int) -> GroupPartial:
+        """(source page per group, m) for the request's page `k` (the first after its hit), or None. No side
+        effects. `keys`: the request's page keys, at least up to page k's parent."""
+        ps, tokens, pool = self.page_size, ctx.tokens, self.pool
+        start = k * ps
+        limit = min(ps - 1, tokens.current_position - 1 - start)  # the last (window) token is computed
+        if limit < 1:
+            return None
+        parent = keys[k - 1] if k else (self._root(ctx.cache_salt),)
+        found = self.index.longest_match(parent, tokens.all[start : start + limit])
+        if found is None:
+            return None
+        key = pool.block_hash(found[0])
+        assert key is not None
+        sources = [found[0] if g == self.groups[0] else pool.cached_page(key, g) for g in self.groups]
+        return None if None in sources else (sources, found[1])  # type: ignore[return-value]
+
+    def extra_pages(self, found: GroupPartial) -> int:
+        """Unprotected free pages that touching `found`'s sources takes out of the free count."""
+        pool = self.pool
+        return sum(1 for p in found[0] if pool.ref_count(p) == 0 and not pool.is_protected(p)) if found else 0
+
+    def skip(self, ctx: TextContext, found: tuple[list[int], int]) -> int:
+        """Hold the sources (neither evicted nor overwritten) and skip the tokens they hold; returns how many."""
+        self.pool.touch(found[0])
+        ctx.tokens.skip_processing(found[1])
+        return found[1]
+
+    def record(self, st: HybridRequest, request_id: RequestID, found: tuple[list[int], int]) -> None:
+        """After `skip` and the alloc's new pages: queue the copies into page ``st.committed`` of each group."""
+        k, (sources, m) = st.committed, found
+        self.pending[request_id] = [PageCopy(src, int(st.tables[g].pages[k]), m)
+                                    for g, src in zip(self.groups, sources, strict=True)]  # fmt: skip
+
+    def committed(self, st: HybridRequest, ctx: TextContext, lo: int, hi: int) -> None:
+        """Index the request's pages [lo, hi) of ``groups[0]``, just committed and written."""
+        ps, pages, hashes, add = self.page_size, st.tables[self.groups[0]].pages, st.hashes, self.index.add
+        tokens = ctx.tokens._array  # the buffer itself: `all` builds a read-only view per call
+        for i in range(lo, hi):
+            add(hashes[i - 1] if i else (self._root(ctx.cache_salt),), int(pages[i]), tokens[i * ps : (i + 1) * ps])
+
+    def take(self) -> list[PageCopy]:
+        """Every pending copy, oldest request first; their source references are dropped."""
+        copies = [c for request in self.pending.values() for c in request]
+        self.pending.clear()
+        self.pool.free([c.src for c in copies])
+        return copies
+
+    def drop(self, request_id: RequestID) -> None:
+        """Forget `request_id`'s pending copies, if any, and their source references."""
+        copies = self.pending.pop(request_id, None)
+        if copies is not None:
+            self.pool.free([c.src for c in copies])
+
+    def check(self, reqs: Mapping[RequestID, HybridRequest]) -> Counter[int]:
+        """Raise `IntegrityError` unless each pending copy targets its request's page ``committed`` (uncommitted)
+        in its group from a page that group caches, and the index holds exactly the written cached pages of
+        ``groups[0]``. Returns the sources' references."""
+        pool, ps, lead, holders = self.pool, self.page_size, self.groups[0], Counter[int]()
+        for rid, copies in self.pending.items():
+            st = reqs.get(rid)
+            _require(st is not None, f"pending page copy of request {rid!r}, which is not claimed")
+            assert st is not None
+            _require(len(copies) == len(self.groups), f"request {rid!r}: {len(copies)} pending copies, not one a group")
+            for g, (src, dst, n) in zip(self.groups, copies, strict=True):
+                table, where = st.tables[g], f"request {rid!r} group {g} pending copy {src} -> {dst} of {n} tokens"
+                _require(1 <= n < ps, f"{where}: needs 1 <= tokens < page_size={ps}")
+                _require(st.committed < table.num_pages and int(table.pages[st.committed]) == dst,
+                         f"{where}: dst is not the request's page {st.committed} (its first uncommitted)")  # fmt: skip
+                _require(pool.block_hash(dst) is None, f"{where}: dst is committed")
+                _require(
+                    pool.block_hash(src) is not None and pool.group_of(src) == g, f"{where}: src is not cached there"
+                )
+                holders[src] += 1
+        cached = {p for p in range(pool.num_blocks) if pool.block_hash(p) is not None and pool.group_of(p) == lead}
+        for st in reqs.values():  # committed at alloc, not written yet: indexed at their step (commit_on_alloc)
+            if st.unwritten >= 0:
+                table = st.tables[lead]
+                cached.difference_update(table.pages[st.unwritten : min(st.committed, table.num_pages)].tolist())
+        indexed = self.index.pages()
+        _require(indexed == cached, f"child index pages {sorted(indexed ^ cached)} disagree with the prefix cache")
+        return holders
+
+    def state(self) -> tuple[Any, ...]:
+        """Pending copies and index entries, for no-trace comparisons in tests."""
+        entries = {p: (self.index.parent_of(p), self.index._tokens[p].tolist()) for p in sorted(self.index.pages())}
+        return sorted(self.pending.items(), key=repr), entries
+
+
+def make_group_partial_pages(
+    enabled: bool,
+    pool: BlockPool,
+    page_size: int,
+    root: Callable[[str | None], bytes],
+    groups: Sequence[int],
+    stateful: bool,
+) -> GroupPartialPages | None:
+    """`GroupPartialPages` for a `KVCacheCoordinator` built with ``partial_page_reuse=enabled`` over cacheable
+    `groups` (None when off). ValueError when it is True without prefix caching or cacheable groups, or for a
+    model with recurrent state (`stateful`: a hit resumes from a state checkpoint, which holds no partial page)."""
+    if not enabled:
+        return None
+    if not pool.enable_prefix_caching or not groups:
+        raise ValueError("partial_page_reuse=True needs enable_prefix_caching=True and a prefix-cached group")
+    if stateful:
+        raise ValueError("partial_page_reuse=True does not support models with recurrent state (their hits resume "
+                         "from a state checkpoint, which holds no partial page)")  # fmt: skip
+    return GroupPartialPages(pool, page_size, root, groups)

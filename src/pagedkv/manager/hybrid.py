@@ -65,8 +65,8 @@ def make_block_manager(
     caches get `memory.num_state_rows(params, max_batch_size)` state rows; their checkpoints take runs of
     `memory.checkpoint_pages(params)` attention pages, at most `memory.run_checkpoint_cap`).
 
-    ValueError for ``enable_partial_page_reuse`` on a hybrid model, and for ``commit_on_alloc`` on a model with
-    recurrent state (the coordinator does not support them)."""
+    ValueError for ``enable_partial_page_reuse`` or ``commit_on_alloc`` on a model with recurrent state (the
+    coordinator does not support them)."""
     kwargs: dict[str, Any] = dict(
         enable_prefix_caching=params.enable_prefix_caching, hash_algo=params.kv_hash_algo,
         hash_seed=params.kv_hash_seed, num_speculative_tokens=params.num_eagle_speculative_tokens,
@@ -79,17 +79,18 @@ def make_block_manager(
                           commit_unscheduled=params.commit_on_alloc is True, **kwargs)  # fmt: skip
         bm.hasher.set_version(params.weights_version)
         return bm
-    if params.enable_partial_page_reuse is True:
-        raise ValueError("enable_partial_page_reuse=True does not support hybrid models (several KV cache groups: "
-                         "sliding window, chunked, sinks or cross-attention caches)")  # fmt: skip
     group_names(params)  # validates the shape of the tree
     groups = [manager_for(g, leaf.kv_cache_spec) for g, leaf in enumerate(params.leaves())]
+    if params.enable_partial_page_reuse is True and any(g.state_slots for g in groups):
+        raise ValueError("enable_partial_page_reuse=True does not support models with recurrent state (their hits "
+                         "resume from a state checkpoint, which holds no partial page)")  # fmt: skip
     rows, run = memory.num_state_rows(params, max_batch_size), memory.checkpoint_pages(params)
     cap = memory.run_checkpoint_cap(params, max_batch_size) if run else None
     coordinator = KVCacheCoordinator(total_num_pages, params.page_size, groups, num_state_rows=rows,
                                      checkpoint_pages=run, max_state_checkpoints=cap,
                                      commit_on_alloc=commits_on_alloc(params),
-                                     commit_unscheduled=params.commit_on_alloc is True, **kwargs)  # fmt: skip
+                                     commit_unscheduled=params.commit_on_alloc is True,
+                                     partial_page_reuse=params.enable_partial_page_reuse, **kwargs)  # fmt: skip
     coordinator.hasher.set_version(params.weights_version)
     return coordinator
 

@@ -305,6 +305,8 @@ class PagedKVCacheManager:
                 [_bounded(t, bounds) for t in bm.build_group_tables(list(batch), max_cache_length)]
                 for bm, batch in pairs
             ]
+            if self.params.enable_partial_page_reuse:  # copy-on-write of partial-page hits, before the forward
+                self._apply_page_copies()
             return hybrid.hybrid_inputs(self.params, self._buffers, tables)
         per_device: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for r, (bm, batch) in enumerate(zip(self._managers, batches, strict=True)):
@@ -314,10 +316,14 @@ class PagedKVCacheManager:
         return self._assemble(self.params, self._buffers, per_device)
 
     def _apply_page_copies(self) -> int:
-        """Copy-on-write of partial-page hits (``enable_partial_page_reuse``; never a hybrid model): take
-        each replica's pending copies (`BlockManager.take_page_copies`) and apply them to every tensor of
-        its buffers (each cache of a tree, K and V of every layer, every TP shard, FP8 scales), so they
-        land before the forward pass that reads them. Returns how many copies ran."""
+        """Copy-on-write of partial-page hits (``enable_partial_page_reuse``): take each replica's pending
+        copies (`take_page_copies`) and apply them to every tensor of its buffers (each cache of a tree, K and
+        V of every layer, every TP shard, FP8 scales), so they land before the forward pass that reads them.
+        A hybrid model's copies (one per group, page ids of the shared pool) run on every group's views of
+        the arena: each copies bytes of the source row to the same offsets of the destination row, so
+        another group's view of a page writes nothing its owner's view reads differently (the slots it
+        copies beyond the owner's are written by the forward before anything reads them). Returns how many
+        copies ran."""
         done = 0
         for bm, buffer in zip(self._managers, self._buffers, strict=True):
             copies = bm.take_page_copies()

@@ -108,6 +108,7 @@ class GroupManager:
             return 0
         pages = [int(table.pages[lo])] if hi == lo + 1 else table.pages[lo:hi].tolist()
         parent = int(table.pages[lo - 1]) if lo else -1
+        parent = -1 if parent == null else parent  # (a window group's dropped entry chains to nothing)
         for i, page in enumerate(pages, lo):
             if page == null:  # (a dropped window page: the next one starts a chain of its own)
                 parent = -1
