@@ -40,6 +40,7 @@ from pagedkv.core.pool import BlockPool
 from pagedkv.core.queue_wants import QueueWants
 from pagedkv.core.state.checkpoints import RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.tables import (
+    REQUEST_ID,
     BatchTables,
     RequestPages,
     SwappedRequest,
@@ -333,7 +334,7 @@ class BlockManager:
     # ------------------------------------------------------------------ planning
     def check_batch(self, batch: Sequence[TextContext]) -> None:
         """ValueError naming the first request of `batch` that is not claimed or is there twice. No side effects."""
-        ids = {ctx.request_id for ctx in batch}
+        ids = set(map(REQUEST_ID, batch))  # (C-level: this runs once per replica per step)
         if len(ids) != len(batch) or not ids <= self._reqs.keys():
             check_batch(self._reqs, batch)
 

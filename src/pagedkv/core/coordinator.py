@@ -43,6 +43,7 @@ from pagedkv.core.queue_wants import QueueWants
 from pagedkv.core.state.checkpoints import Checkpoint, RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.state.resume import StateResume
 from pagedkv.core.tables import (
+    REQUEST_ID,
     BatchTables,
     RequestPages,
     SwappedRequest,
@@ -663,7 +664,7 @@ class KVCacheCoordinator:
 
     def check_batch(self, batch: Sequence[TextContext]) -> None:
         """ValueError naming the first request of `batch` that is not claimed or is there twice. No side effects."""
-        ids = {ctx.request_id for ctx in batch}
+        ids = set(map(REQUEST_ID, batch))  # (C-level: this runs once per replica per step)
         if len(ids) != len(batch) or not ids <= self._reqs.keys():
             check_batch(self._reqs, batch)
 

@@ -207,7 +207,8 @@ class KVCacheParams(KVCacheParamInterface):
     evict_leaves_first: bool = False  # never evict a page while its prefix-chain child stays cached
     enable_partial_page_reuse: bool = False  # copy a cached last partial page's matching tokens (copy-on-write)
     # pages a step will fill are hittable from `alloc` (vLLM's schedule-time caching); None: on with prefix
-    # caching for a model of one KV cache group without partial-page reuse (hybrid models do not support it)
+    # caching for a model of one KV cache group without partial-page reuse (True for several groups; models with
+    # recurrent state refuse it)
     commit_on_alloc: bool | None = None
     weights_version: str | None = None  # folded into every hash chain's root (`set_weights_version` changes it live)
     nonfinite_kv: str = "pass"  # NaN/inf in stored KV: "pass" (stored as is) or "reject" (ValueError, nothing stored)
