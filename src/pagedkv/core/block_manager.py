@@ -40,12 +40,11 @@ from pagedkv.core.pool import BlockPool
 from pagedkv.core.queue_wants import QueueWants
 from pagedkv.core.state.checkpoints import RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.tables import (
-    REQUEST_ID,
     BatchTables,
     RequestPages,
     SwappedRequest,
     build_tables,
-    check_batch,
+    check_claimed_batch,
     claimed_state,
     claimed_states,
     more_keys,
@@ -60,7 +59,6 @@ class BlockManager:
     group (a `ReplicaBookkeeping`). Holds no tensors."""
 
     states: StateCheckpoints | None = None  # (no recurrent state)
-    num_tables = 1
     tiers_by_hash = True
     tier_groups = TierGroups([0], [0], -1)
 
@@ -334,9 +332,7 @@ class BlockManager:
     # ------------------------------------------------------------------ planning
     def check_batch(self, batch: Sequence[TextContext]) -> None:
         """ValueError naming the first request of `batch` that is not claimed or is there twice. No side effects."""
-        ids = set(map(REQUEST_ID, batch))  # (C-level: this runs once per replica per step)
-        if len(ids) != len(batch) or not ids <= self._reqs.keys():
-            check_batch(self._reqs, batch)
+        check_claimed_batch(self._reqs, batch)
 
     def check_claimed(self, request_id: RequestID) -> None:
         """ValueError unless `request_id` is claimed and not a dummy (what `alloc` and `step` need)."""

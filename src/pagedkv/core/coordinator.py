@@ -43,11 +43,11 @@ from pagedkv.core.queue_wants import QueueWants
 from pagedkv.core.state.checkpoints import Checkpoint, RunCopy, StateCheckpoints, StateCopy
 from pagedkv.core.state.resume import StateResume
 from pagedkv.core.tables import (
-    REQUEST_ID,
     BatchTables,
     RequestPages,
     SwappedRequest,
     check_batch,
+    check_claimed_batch,
     claimed_state,
     claimed_states,
     more_keys,
@@ -118,7 +118,6 @@ class KVCacheCoordinator:
         if self.resume is not None and checkpoint_pages and enable_prefix_caching:  # (their checkpoints' runs too)
             self.wants.extra = self.resume.wanted_run
         self.tier_groups = TierGroups(self._cacheable_ids, self._decoder_ids, (self._state_ids or [-1])[0])
-        self.num_tables = len(self.groups)
         self._partial = make_group_partial_pages(partial_page_reuse, self.pool, page_size, self.hasher.root,
                                                  self._cacheable_ids, bool(slots))  # fmt: skip
         self.commit_on_alloc = commit_on_alloc and enable_prefix_caching  # vLLM's schedule-time caching
@@ -664,9 +663,7 @@ class KVCacheCoordinator:
 
     def check_batch(self, batch: Sequence[TextContext]) -> None:
         """ValueError naming the first request of `batch` that is not claimed or is there twice. No side effects."""
-        ids = set(map(REQUEST_ID, batch))  # (C-level: this runs once per replica per step)
-        if len(ids) != len(batch) or not ids <= self._reqs.keys():
-            check_batch(self._reqs, batch)
+        check_claimed_batch(self._reqs, batch)
 
     def check_claimed(self, request_id: RequestID) -> None:
         """ValueError unless `request_id` is claimed and not a dummy (what `alloc` and `step` need)."""

@@ -42,8 +42,7 @@ class ReplicaBookkeeping(Protocol):
     num_speculative_tokens: int
     states: StateCheckpoints | None  # recurrent-state rows and checkpoints; None for a model without state
     tier_groups: TierGroups  # which groups go down the tiers by hash, which hold tokens, which holds state
-    groups: list[GroupManager]  # one page policy per KV cache group, in table order
-    num_tables: int  # page tables per request (KV cache groups)
+    groups: list[GroupManager]  # one page policy per KV cache group: one page table each, in this order
     tier_link: TierLink | None  # the tiers below (set by the manager's tier port), asked at a first alloc
 
     @property

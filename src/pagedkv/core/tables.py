@@ -14,7 +14,7 @@ from pagedkv.core.errors import MissingPagesError
 from pagedkv.core.hashing import BlockHash, PrefixHasher
 from pagedkv.params.validation import INT32_MAX, check_int
 
-__all__ = ["REQUEST_ID", "RequestPages", "BatchTables", "SwappedRequest", "assemble_tables", "build_tables", "check_batch",
+__all__ = ["RequestPages", "BatchTables", "SwappedRequest", "assemble_tables", "build_tables", "check_batch", "check_claimed_batch",
            "claimed_state", "claimed_states", "lut_columns", "more_keys", "required_pages"]  # fmt: skip
 
 _NO_PAGES = np.zeros(0, dtype=np.int32)
@@ -126,14 +126,14 @@ def lut_columns(num_pages: int) -> int:
     return -(-num_pages // 8) * 8 + 16
 
 
-REQUEST_ID = attrgetter("request_id")  # (a context's request id, at C speed)
+_REQUEST_ID = attrgetter("request_id")
 
 
 def claimed_states(reqs: Mapping[Hashable, Any], batch: Sequence[TextContext]) -> list[Any]:
     """The request states of `batch`, in order; ValueError naming the first request not claimed
     (the hot path of `step`: one dict lookup per request, no duplicate check)."""
     try:
-        return list(map(reqs.__getitem__, map(REQUEST_ID, batch)))
+        return list(map(reqs.__getitem__, map(_REQUEST_ID, batch)))
     except KeyError as missing:
         raise ValueError(f"request {missing.args[0]!r} is not claimed: call claim() first") from None
 
@@ -146,6 +146,15 @@ def claimed_state(reqs: Mapping[Hashable, Any], request_id: Hashable) -> Any:
     if st.dummy:
         raise ValueError(f"request {request_id!r} is a dummy (alloc_dummy); it cannot alloc or step")
     return st
+
+
+def check_claimed_batch(reqs: Mapping[Hashable, Any], batch: Sequence[TextContext]) -> None:
+    """ValueError naming the first request of `batch` not in `reqs` or there twice. No side effects. The common
+    case is decided with C-level set operations (this runs once per replica per step); only a batch that fails
+    them is walked again (`check_batch`) for the precise error."""
+    ids = set(map(_REQUEST_ID, batch))
+    if len(ids) != len(batch) or not ids <= reqs.keys():
+        check_batch(reqs, batch)
 
 
 def check_batch(reqs: Mapping[Hashable, Any], batch: Sequence[TextContext]) -> list[Any]:

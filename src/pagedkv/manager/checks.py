@@ -140,7 +140,7 @@ def check_step(managers: Sequence[Any], batches: Any) -> None:
 
 def check_group(bm: Any, group: Any) -> None:
     """`get_req_blocks`: `group` indexes the model's page tables."""
-    groups = bm.num_tables
+    groups = len(bm.groups)
     if not isinstance(group, int) or isinstance(group, bool):
         raise TypeError(f"group={group!r} must be an int")
     if not 0 <= group < groups:

@@ -195,8 +195,7 @@ class PagedKVCacheManager:
             bm.step_batch(batch)
             if self.num_state_rows:
                 self._apply_state_copies(r)  # checkpoints of this step's states, before the next forward moves them
-            if self.enable_runtime_checks:
-                bm.check_integrity()
+            self._checked(bm)
         if tiers is not None:
             tiers.push_states()  # (down the tiers before the next alloc may evict them)
             tiers.after_step()

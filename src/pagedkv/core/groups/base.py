@@ -101,10 +101,11 @@ class GroupManager:
         """Cache the table's written pages [lo, hi) under ``hashes[lo:hi]`` (null entries skipped), each chained
         to the page before it (the eviction order's prefix tree). A page whose hash is cached already is swapped
         for that copy. With `retention`, the committed pages take at least its priority. Returns one past the
-        last swapped index (0: none)."""
+        last swapped index (0: none). A group that is not `cacheable` commits nothing (cross-attention's pages
+        belong to one request; a state is cached as a checkpoint, not as pages)."""
         null, shared = pool.null_block, 0
         hi = min(hi, table.num_pages)
-        if hi <= lo:
+        if hi <= lo or not self.cacheable:
             return 0
         pages = [int(table.pages[lo])] if hi == lo + 1 else table.pages[lo:hi].tolist()
         parent = int(table.pages[lo - 1]) if lo else -1

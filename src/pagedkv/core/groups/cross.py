@@ -2,15 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pagedkv.core.groups.base import GroupManager, StepSpan
-
-if TYPE_CHECKING:
-    from pagedkv.core.context import Retention
-    from pagedkv.core.hashing import BlockHash
-    from pagedkv.core.pool import BlockPool
-    from pagedkv.core.tables import RequestPages
 
 __all__ = ["CrossAttentionManager"]
 
@@ -25,12 +17,6 @@ class CrossAttentionManager(GroupManager):
 
     def pages_to_add(self, have: int, span: StepSpan) -> int:
         return -(-span.encoder_length // self.page_size) if have == 0 else 0
-
-    def commit(
-        self, pool: BlockPool, table: RequestPages, hashes: list[BlockHash], lo: int, hi: int,
-        retention: Retention | None = None,
-    ) -> int:  # fmt: skip
-        return 0  # (the encoder's pages belong to one request)
 
     def step_pages(self, start: int, end: int, length: int, spec: int = 0, encoder_length: int = 0) -> int:
         return -(-encoder_length // self.page_size)

@@ -2,16 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pagedkv.core.groups.base import GroupManager, StepSpan
 from pagedkv.specs import KVCacheSpec, MambaSpec
-
-if TYPE_CHECKING:
-    from pagedkv.core.context import Retention
-    from pagedkv.core.hashing import BlockHash
-    from pagedkv.core.pool import BlockPool
-    from pagedkv.core.tables import RequestPages
 
 __all__ = ["MambaManager"]
 
@@ -37,12 +29,6 @@ class MambaManager(GroupManager):
 
     def pages_to_add(self, have: int, span: StepSpan) -> int:
         return 0  # (its rows come from the state pool, taken with the request's first pages)
-
-    def commit(
-        self, pool: BlockPool, table: RequestPages, hashes: list[BlockHash], lo: int, hi: int,
-        retention: Retention | None = None,
-    ) -> int:  # fmt: skip
-        return 0  # (a state is cached as a checkpoint, not as pages)
 
     def step_pages(self, start: int, end: int, length: int, spec: int = 0, encoder_length: int = 0) -> int:
         return 0
